@@ -1,0 +1,35 @@
+"""zerospeed: ZeRO data parallelism, offload and mixed precision for PyTorch, DeepSpeed-compatible.
+
+Heavy pieces are imported lazily so ``import zerospeed`` stays cheap for the launcher.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0.dev0"
+
+_LAZY = {
+    "load_config": "zerospeed.config",
+    "Config": "zerospeed.config",
+    "ConfigError": "zerospeed.config",
+    "init_distributed": "zerospeed.dist.env",
+    "ParallelDims": "zerospeed.dist.mesh",
+    "Comm": "zerospeed.dist.comm",
+    "get_accelerator": "zerospeed.accelerator",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'zerospeed' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

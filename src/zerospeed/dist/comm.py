@@ -1,0 +1,327 @@
+"""The only module that calls ``torch.distributed`` collectives.
+
+A :class:`Comm` is bound to one process group. Every call goes out asynchronously and is waited
+for with this Comm's timeout, so a hang becomes a :class:`CollectiveTimeout` that names the
+collective and the ranks that never reached it. Calls and bytes are counted per op for profiling
+and tests. Uneven sizes (padding) and average reductions are handled here, once, for every
+backend.
+
+Byte accounting: ``stats.bytes[op]`` adds the size of the *whole* logical tensor of each call:
+the tensor for all_reduce / broadcast / send / recv, the full input (all ranks' parts) for
+reduce_scatter, the full output for all_gather, and this rank's inputs for all_to_all. Padding
+is not counted. The ZeRO paper's volumes follow from these by the usual factors.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Sequence
+
+import torch
+import torch.distributed as dist
+
+ReduceOpName = Literal["sum", "avg", "max", "min", "product"]
+DEFAULT_COMM_TIMEOUT = datetime.timedelta(minutes=10)
+
+_NATIVE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.SUM,  # divided afterwards: gloo has no AVG on older torch
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "product": dist.ReduceOp.PRODUCT,
+}
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective did not complete in time; the message names the ranks that never arrived."""
+
+
+@dataclass
+class CommStats:
+    """Calls and bytes per collective name, for profiling and for tests."""
+
+    calls: Counter = field(default_factory=Counter)
+    bytes: Counter = field(default_factory=Counter)
+
+    def record(self, op: str, nbytes: int) -> None:
+        self.calls[op] += 1
+        self.bytes[op] += nbytes
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+    @property
+    def total_calls(self) -> int:
+        return sum(self.calls.values())
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.bytes.clear()
+
+
+def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class Handle:
+    """An in-flight collective. ``wait()`` applies the timeout, then finishes any post-processing."""
+
+    def __init__(self, comm: "Comm", op: str, seq: int, work: Any, finish: Callable[[], None] | None):
+        self._comm, self._op, self._seq, self._work, self._finish = comm, op, seq, work, finish
+        self._done = False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        try:
+            self._work.wait(timeout=self._comm.timeout)
+        except Exception as exc:  # gloo and NCCL raise RuntimeError subclasses on timeout
+            raise self._comm.timeout_error(self._op, self._seq, exc) from exc
+        if self._finish is not None:
+            self._finish()
+        self._done = True
+
+    def is_completed(self) -> bool:
+        return self._done or bool(self._work.is_completed())
+
+
+class Comm:
+    """Collectives over one process group, with counters, a timeout and uneven-size support.
+
+    ``src``/``dst`` arguments are ranks *within this group*.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        name: str = "world",
+        timeout: datetime.timedelta = DEFAULT_COMM_TIMEOUT,
+        track_arrivals: bool = True,
+        store: dist.Store | None = None,
+    ):
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialized; call zerospeed.init_distributed() first"
+            )
+        self.group = group if group is not None else dist.group.WORLD
+        self.name = name
+        self.timeout = timeout
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.global_ranks = tuple(dist.get_process_group_ranks(self.group))
+        self.stats = CommStats()
+        self._seq = 0
+        self._store = (store or _default_store()) if track_arrivals else None
+        self._reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+    def _key(self, global_rank: int) -> str:
+        return f"zerospeed/comm/{self.name}/{','.join(map(str, self.global_ranks))}/{global_rank}"
+
+    def _enter(self, op: str, nbytes: int) -> int:
+        self._seq += 1
+        self.stats.record(op, nbytes)
+        if self._store is not None:
+            self._store.set(self._key(self.global_ranks[self.rank]), f"{self._seq} {op}")
+        return self._seq
+
+    def _run(self, op: str, seq: int, work: Any, async_op: bool,
+             finish: Callable[[], None] | None = None) -> Handle | None:
+        handle = Handle(self, op, seq, work, finish)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def timeout_error(self, op: str, seq: int, cause: BaseException) -> CollectiveTimeout:
+        """Build the error for a failed wait, asking the store where every other rank got to."""
+        secs = self.timeout.total_seconds()
+        head = (f"{op} (call #{seq} on group '{self.name}', ranks {list(self.global_ranks)}) "
+                f"did not complete within {secs:g}s")
+        if self._store is None:
+            return CollectiveTimeout(f"{head}: {cause}")
+        missing, last = [], {}
+        for global_rank in self.global_ranks:
+            key = self._key(global_rank)
+            try:
+                entry = self._store.get(key).decode() if self._store.check([key]) else "0 none"
+            except Exception:  # the store itself may be gone when the job is dying
+                entry = "0 unknown"
+            their_seq, their_op = entry.split(" ", 1)
+            if int(their_seq) < seq:
+                missing.append(global_rank)
+                last[global_rank] = f"#{their_seq} {their_op}" if int(their_seq) else "none yet"
+        detail = ", ".join(f"rank {r} last entered {last[r]}" for r in missing)
+        return CollectiveTimeout(
+            f"{head}; ranks that did not arrive: {missing} ({detail or 'all arrived'}). "
+            f"Every rank must call the same collectives in the same order. Cause: {cause}"
+        )
+
+    def _global(self, group_rank: int) -> int:
+        if not 0 <= group_rank < self.world_size:
+            raise ValueError(f"rank {group_rank} is outside group '{self.name}' of size {self.world_size}")
+        return self.global_ranks[group_rank]
+
+    # -- collectives ---------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOpName = "sum",
+                   async_op: bool = False) -> Handle | None:
+        """Reduce ``tensor`` in place across the group."""
+        seq = self._enter("all_reduce", _nbytes([tensor]))
+        work = dist.all_reduce(tensor, op=_NATIVE_OPS[op], group=self.group, async_op=True)
+        return self._run("all_reduce", seq, work, async_op, self._averager(tensor, op))
+
+    def reduce_scatter(self, output: torch.Tensor, inputs: torch.Tensor | Sequence[torch.Tensor],
+                       op: ReduceOpName = "sum", async_op: bool = False) -> Handle | None:
+        """Reduce across ranks and keep part ``rank`` in ``output``.
+
+        ``inputs`` is either one tensor of ``world_size * output.numel()`` elements, or a list with
+        one tensor per rank whose sizes may differ (every rank passes the same sizes).
+        """
+        parts = self._split_even(inputs, output.numel()) if isinstance(inputs, torch.Tensor) else list(inputs)
+        self._check_parts("reduce_scatter", parts)
+        if parts[self.rank].numel() != output.numel():
+            raise ValueError(f"reduce_scatter: output has {output.numel()} elements but part {self.rank} has "
+                             f"{parts[self.rank].numel()}")
+        seq = self._enter("reduce_scatter", _nbytes(parts))
+        width = max(p.numel() for p in parts)
+        even = all(p.numel() == width for p in parts)
+        if even and isinstance(inputs, torch.Tensor) and inputs.is_contiguous() and output.is_contiguous():
+            send, recv = inputs.reshape(-1), output.reshape(-1)
+        else:
+            send = torch.zeros(self.world_size * width, dtype=output.dtype, device=output.device)
+            for i, part in enumerate(parts):
+                send[i * width: i * width + part.numel()].copy_(part.reshape(-1))
+            recv = torch.empty(width, dtype=output.dtype, device=output.device)
+        work = self._reduce_scatter(recv, send, op=_NATIVE_OPS[op], group=self.group, async_op=True)
+
+        def finish() -> None:
+            if recv.data_ptr() != output.data_ptr():
+                output.copy_(recv[: output.numel()].view(output.shape))
+            if op == "avg":
+                output.div_(self.world_size)
+
+        return self._run("reduce_scatter", seq, work, async_op, finish)
+
+    def all_gather(self, outputs: torch.Tensor | Sequence[torch.Tensor], input: torch.Tensor,
+                   async_op: bool = False) -> Handle | None:
+        """Gather every rank's ``input`` into ``outputs``.
+
+        ``outputs`` is one tensor of ``world_size * input.numel()`` elements, or a list with one
+        tensor per rank whose sizes may differ (every rank passes the same sizes).
+        """
+        parts = self._split_even(outputs, input.numel()) if isinstance(outputs, torch.Tensor) else list(outputs)
+        self._check_parts("all_gather", parts)
+        if parts[self.rank].numel() != input.numel():
+            raise ValueError(f"all_gather: input has {input.numel()} elements but output part {self.rank} has "
+                             f"{parts[self.rank].numel()}")
+        seq = self._enter("all_gather", _nbytes(parts))
+        width = max(p.numel() for p in parts)
+        even = all(p.numel() == width for p in parts)
+        if even and isinstance(outputs, torch.Tensor) and outputs.is_contiguous():
+            send, recv = input.contiguous().reshape(-1), outputs.reshape(-1)
+        else:
+            send = torch.zeros(width, dtype=input.dtype, device=input.device)
+            send[: input.numel()].copy_(input.reshape(-1))
+            recv = torch.empty(self.world_size * width, dtype=input.dtype, device=input.device)
+        work = self._all_gather(recv, send, group=self.group, async_op=True)
+
+        def finish() -> None:
+            if isinstance(outputs, torch.Tensor) and recv.data_ptr() == outputs.data_ptr():
+                return
+            for i, part in enumerate(parts):
+                part.copy_(recv[i * width: i * width + part.numel()].view(part.shape))
+
+        return self._run("all_gather", seq, work, async_op, finish)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Handle | None:
+        """Copy group rank ``src``'s ``tensor`` to every rank, in place."""
+        root = self._global(src)
+        seq = self._enter("broadcast", _nbytes([tensor]))
+        work = dist.broadcast(tensor, src=root, group=self.group, async_op=True)
+        return self._run("broadcast", seq, work, async_op)
+
+    def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False) -> Handle | None:
+        """Point-to-point send to group rank ``dst`` (not tracked as an arrival: peers differ)."""
+        self.stats.record("send", _nbytes([tensor]))
+        work = dist.isend(tensor.contiguous(), dst=self._global(dst), group=self.group)
+        return self._run("send", self._seq, work, async_op)
+
+    def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Handle | None:
+        """Point-to-point receive from group rank ``src`` into ``tensor``."""
+        self.stats.record("recv", _nbytes([tensor]))
+        work = dist.irecv(tensor, src=self._global(src), group=self.group)
+        return self._run("recv", self._seq, work, async_op)
+
+    def all_to_all(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
+                   async_op: bool = False) -> Handle | None:
+        """Send ``inputs[i]`` to rank i and receive rank i's part into ``outputs[i]`` (sizes may differ)."""
+        self._check_parts("all_to_all inputs", list(inputs))
+        self._check_parts("all_to_all outputs", list(outputs))
+        dtype, device = inputs[0].dtype, inputs[0].device
+        seq = self._enter("all_to_all", _nbytes(inputs))
+        send = torch.cat([t.reshape(-1) for t in inputs]) if inputs else torch.empty(0, dtype=dtype)
+        recv = torch.empty(sum(t.numel() for t in outputs), dtype=dtype, device=device)
+        work = dist.all_to_all_single(
+            recv, send,
+            output_split_sizes=[t.numel() for t in outputs],
+            input_split_sizes=[t.numel() for t in inputs],
+            group=self.group, async_op=True,
+        )
+
+        def finish() -> None:
+            offset = 0
+            for out in outputs:
+                out.copy_(recv[offset: offset + out.numel()].view(out.shape))
+                offset += out.numel()
+
+        return self._run("all_to_all", seq, work, async_op, finish)
+
+    def barrier(self) -> None:
+        """Wait until every rank of the group gets here (an all_reduce of one element, so it times out)."""
+        flag = torch.zeros(1)
+        seq = self._enter("barrier", 0)
+        work = dist.all_reduce(flag, group=self.group, async_op=True)
+        self._run("barrier", seq, work, async_op=False)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Gather a small picklable object from every rank (for checks, not for tensors)."""
+        seq = self._enter("all_gather_object", 0)
+        out: list[Any] = [None] * self.world_size
+        try:
+            dist.all_gather_object(out, obj, group=self.group)
+        except Exception as exc:
+            raise self.timeout_error("all_gather_object", seq, exc) from exc
+        return out
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _averager(self, tensor: torch.Tensor, op: ReduceOpName) -> Callable[[], None] | None:
+        if op != "avg":
+            return None
+        if not tensor.is_floating_point():
+            raise TypeError(f"op='avg' needs a floating-point tensor, got {tensor.dtype}")
+        return lambda: tensor.div_(self.world_size)
+
+    def _split_even(self, flat: torch.Tensor, width: int) -> list[torch.Tensor]:
+        if flat.numel() != width * self.world_size:
+            raise ValueError(
+                f"expected {self.world_size} x {width} = {width * self.world_size} elements, got {flat.numel()}; "
+                f"pass a list of per-rank tensors for uneven sizes"
+            )
+        return list(flat.reshape(-1).split(width))
+
+    def _check_parts(self, what: str, parts: list[torch.Tensor]) -> None:
+        if len(parts) != self.world_size:
+            raise ValueError(f"{what}: got {len(parts)} tensors for a group of {self.world_size} ranks")
+
+
+def _default_store() -> dist.Store | None:
+    """The default group's store, used to tell which ranks reached a collective (None if hidden)."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:
+        return None

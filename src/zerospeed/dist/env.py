@@ -1,0 +1,187 @@
+"""Rank discovery and process-group start-up.
+
+:func:`discover` is pure: it reads a mapping of environment variables set by torchrun (or our
+launcher), SLURM, Open MPI or an MPICH/Intel-MPI style PMI, and returns who this process is.
+:func:`init_distributed` turns that into a running process group.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+import re
+from dataclasses import dataclass
+from typing import Literal, Mapping
+
+import torch.distributed as dist
+
+from zerospeed.accelerator import get_accelerator
+
+Source = Literal["torchrun", "slurm", "openmpi", "pmi", "single"]
+DEFAULT_PORT = 29500
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Who this process is in the job, and where rank 0 listens."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    source: Source
+
+
+def _int(env: Mapping[str, str], key: str) -> int:
+    raw = env[key]
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {key}={raw!r} is not an integer") from None
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list such as ``node[03-05,9],gpu1`` -> ``node03``."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not match:
+        raise ValueError(f"cannot read a host from SLURM node list {nodelist!r}")
+    prefix, ranges = match.group(1), match.group(2)
+    if ranges is None:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def discover(env: Mapping[str, str], default_port: int = DEFAULT_PORT) -> DistEnv:
+    """Read rank and world size from the first launcher whose variables are present.
+
+    Order: torchrun-style (``RANK``/``WORLD_SIZE``; also what our launcher sets), SLURM, Open MPI,
+    PMI; with none of them, a single-process world.
+    """
+    port = int(env.get("MASTER_PORT", default_port))
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world = _int(env, "WORLD_SIZE")
+        return _checked(
+            DistEnv(
+                rank=_int(env, "RANK"),
+                world_size=world,
+                local_rank=int(env.get("LOCAL_RANK", 0)),
+                local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
+                master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+                master_port=port,
+                source="torchrun",
+            )
+        )
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        world = _int(env, "SLURM_NTASKS")
+        addr = env.get("MASTER_ADDR") or first_host(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "127.0.0.1")))
+        return _checked(
+            DistEnv(
+                rank=_int(env, "SLURM_PROCID"),
+                world_size=world,
+                local_rank=int(env.get("SLURM_LOCALID", 0)),
+                local_world_size=int(env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0] or world),
+                master_addr=addr,
+                master_port=port,
+                source="slurm",
+            )
+        )
+    if "OMPI_COMM_WORLD_RANK" in env and "OMPI_COMM_WORLD_SIZE" in env:
+        return _checked(_from_mpi(env, port, "OMPI_COMM_WORLD_", "openmpi"))
+    if "PMI_RANK" in env and "PMI_SIZE" in env:
+        return _checked(_from_mpi(env, port, "PMI_", "pmi"))
+    return DistEnv(0, 1, 0, 1, env.get("MASTER_ADDR", "127.0.0.1"), port, "single")
+
+
+def _from_mpi(env: Mapping[str, str], port: int, prefix: str, source: Source) -> DistEnv:
+    world = _int(env, prefix + "SIZE")
+    local_size = int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE", env.get("MPI_LOCALNRANKS", world)))
+    addr = env.get("MASTER_ADDR")
+    if addr is None:
+        if local_size != world:
+            raise ValueError(
+                f"{source} launch across several nodes needs MASTER_ADDR set to rank 0's host "
+                f"(world size {world}, {local_size} ranks on this node)"
+            )
+        addr = "127.0.0.1"
+    return DistEnv(
+        rank=_int(env, prefix + "RANK"),
+        world_size=world,
+        local_rank=int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", env.get("MPI_LOCALRANKID", 0))),
+        local_world_size=local_size,
+        master_addr=addr,
+        master_port=port,
+        source=source,
+    )
+
+
+def _checked(info: DistEnv) -> DistEnv:
+    if info.world_size < 1:
+        raise ValueError(f"world size {info.world_size} from {info.source} variables must be >= 1")
+    if not 0 <= info.rank < info.world_size:
+        raise ValueError(
+            f"rank {info.rank} from {info.source} variables is outside world size {info.world_size}"
+        )
+    return info
+
+
+def init_distributed(
+    dist_backend: str | None = None,
+    auto_mpi_discovery: bool = True,
+    distributed_port: int = DEFAULT_PORT,
+    verbose: bool = False,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    init_method: str | None = None,
+    dist_init_required: bool | None = None,
+    rank: int = -1,
+    world_size: int = -1,
+    store: dist.Store | None = None,
+) -> DistEnv:
+    """Start the default process group (DeepSpeed's signature) unless one is already running.
+
+    The backend defaults to the accelerator's (gloo on CPU, NCCL on CUDA). A process group shut
+    down cleanly at exit avoids gloo's "terminate called without an active exception" abort.
+    """
+    env = dict(os.environ)
+    if not auto_mpi_discovery:
+        env = {k: v for k, v in env.items() if not k.startswith(("OMPI_", "PMI_"))}
+    info = discover(env, default_port=distributed_port)
+    if rank >= 0 or world_size >= 0:
+        if rank < 0 or world_size < 1:
+            raise ValueError(f"give both rank and world_size (got rank={rank}, world_size={world_size})")
+        info = _checked(DistEnv(rank, world_size, info.local_rank, info.local_world_size,
+                                info.master_addr, info.master_port, info.source))
+    if dist.is_initialized() or dist_init_required is False:
+        return info
+    accel = get_accelerator()
+    backend = dist_backend or accel.backend
+    accel.set_device(info.local_rank)
+    kwargs: dict = dict(backend=backend, timeout=timeout)
+    if store is not None:
+        kwargs.update(store=store, rank=info.rank, world_size=info.world_size)
+    elif init_method is not None:
+        kwargs.update(init_method=init_method, rank=info.rank, world_size=info.world_size)
+    elif info.world_size == 1 and info.source == "single":
+        # A lone process listens on a free port so two single-process jobs never collide.
+        kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        kwargs.update(
+            store=dist.TCPStore(info.master_addr, info.master_port, info.world_size,
+                                is_master=info.rank == 0, timeout=timeout),
+            rank=info.rank, world_size=info.world_size,
+        )
+    dist.init_process_group(**kwargs)
+    atexit.register(shutdown_distributed)
+    if verbose and info.rank == 0:
+        print(f"zerospeed: {backend} process group of {info.world_size} ranks ({info.source})", flush=True)
+    return info
+
+
+def shutdown_distributed() -> None:
+    """Destroy the default process group if it is still up (safe to call twice)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
