@@ -1,0 +1,288 @@
+"""The root :class:`Config`: every top-level key of a DeepSpeed 0.19 config, typed.
+
+Build one with :func:`zerospeed.config.load_config`, not directly: loading also checks
+the batch arithmetic against the world size and turns every problem into a
+:class:`~zerospeed.config.errors.ConfigError`.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Mapping
+from typing import Annotated, Any
+
+from pydantic import Field, PrivateAttr, model_validator
+
+from .base import Section, names
+from .errors import ConfigError
+from .schema_features import (
+    ActivationCheckpointingConfig,
+    AutotuningConfig,
+    CheckpointConfig,
+    CometConfig,
+    CommsLoggerConfig,
+    CompileConfig,
+    CSVMonitorConfig,
+    CurriculumLearningConfig,
+    DataEfficiencyConfig,
+    DataStatesConfig,
+    EigenvalueConfig,
+    ElasticityConfig,
+    FlopsProfilerConfig,
+    HybridEngineConfig,
+    NebulaConfig,
+    OpaqueSection,
+    PipelineConfig,
+    ProgressiveLayerDropConfig,
+    QuantizeTrainingConfig,
+    TensorBoardConfig,
+    TensorParallelConfig,
+    TimersConfig,
+    TrackioConfig,
+    WandbConfig,
+)
+from .schema_optim import OptimizerConfig, SchedulerConfig
+from .schema_precision import (
+    AmpConfig,
+    BF16Config,
+    DataTypesConfig,
+    FP16Config,
+    TorchAutocastConfig,
+)
+from .schema_zero import AioConfig, ZeroConfig
+from .values import (
+    AUTO,
+    Auto,
+    DType,
+    fail,
+    fail_many,
+    json_kind,
+    show,
+    zbool,
+    zchoice,
+    zdtype,
+    zfloat,
+    zint,
+    zstr,
+)
+
+_BATCH = Annotated[int | Auto | None, zint(ge=1, auto=True, nullable=True)]
+_ONEBIT = ("OneBitAdam", "ZeroOneAdam", "OneBitLamb")
+
+
+class Config(Section):
+    """A parsed, frozen DeepSpeed-style configuration.
+
+    Attribute names are DeepSpeed's JSON keys (``cfg.zero_optimization.stage``,
+    ``cfg.fp16.loss_scale_window``...). ``"auto"`` values stay :data:`AUTO` until
+    :meth:`resolve_auto` replaces them.
+    """
+
+    # -- batch ---------------------------------------------------------------------------
+    train_batch_size: _BATCH = None
+    train_micro_batch_size_per_gpu: _BATCH = None
+    gradient_accumulation_steps: _BATCH = None
+    managed_gradient_accumulation: Annotated[bool, zbool()] = True
+    dataloader_drop_last: Annotated[bool, zbool()] = False
+    sequence_parallel_size: Annotated[int | None, zint(ge=1, nullable=True)] = None
+
+    # -- optimizer ------------------------------------------------------------------------
+    optimizer: OptimizerConfig | None = None
+    scheduler: SchedulerConfig | None = None
+    gradient_clipping: Annotated[float | Auto, zfloat(ge=0, auto=True)] = 0.0
+    zero_allow_untested_optimizer: Annotated[bool, zbool()] = False
+    zero_force_ds_cpu_optimizer: Annotated[bool, zbool()] = True
+
+    # -- precision ------------------------------------------------------------------------
+    fp16: FP16Config = Field(default_factory=FP16Config)
+    bf16: BF16Config = Field(default_factory=BF16Config, **names("bf16", "bfloat16"))
+    amp: AmpConfig = Field(default_factory=AmpConfig)
+    torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
+    data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
+
+    # -- communication --------------------------------------------------------------------
+    communication_data_type: Annotated[DType | None, zdtype(nullable=True)] = None
+    seq_parallel_communication_data_type: Annotated[DType, zdtype()] = DType.FP32
+    prescale_gradients: Annotated[bool, zbool()] = False
+    gradient_predivide_factor: Annotated[float, zfloat(gt=0)] = 1.0
+    gradient_allreduce_op: Annotated[str, zchoice({"mean": "mean", "sum": "sum"},
+                                                  case="lower")] = "mean"
+    disable_allgather: Annotated[bool, zbool()] = False
+    sparse_gradients: Annotated[bool, zbool()] = False
+    graph_harvesting: Annotated[bool, zbool()] = False
+
+    # -- ZeRO and offload -----------------------------------------------------------------
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    aio: AioConfig = Field(default_factory=AioConfig)
+
+    # -- model parallelism and memory -----------------------------------------------------
+    activation_checkpointing: ActivationCheckpointingConfig = Field(
+        default_factory=ActivationCheckpointingConfig)
+    pipeline: PipelineConfig | None = None
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    expert_parallel: OpaqueSection | None = None
+    use_data_before_expert_parallelism: Annotated[bool, zbool()] = False
+
+    # -- logging, monitoring, profiling ---------------------------------------------------
+    steps_per_print: Annotated[int | None, zint(ge=1, nullable=True)] = None
+    wall_clock_breakdown: Annotated[bool, zbool()] = False
+    memory_breakdown: Annotated[bool, zbool()] = False
+    dump_state: Annotated[bool, zbool()] = False
+    log_level: Annotated[str | None, zstr(nullable=True)] = None
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
+    csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    comet: CometConfig = Field(default_factory=CometConfig)
+    trackio: TrackioConfig = Field(default_factory=TrackioConfig)
+    comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
+    timers: TimersConfig = Field(default_factory=TimersConfig)
+
+    # -- checkpointing --------------------------------------------------------------------
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    nebula: NebulaConfig = Field(default_factory=NebulaConfig)
+    datastates: DataStatesConfig = Field(default_factory=DataStatesConfig)
+
+    # -- training techniques zerospeed may never implement ---------------------------------
+    progressive_layer_drop: ProgressiveLayerDropConfig = Field(
+        default_factory=ProgressiveLayerDropConfig)
+    eigenvalue: EigenvalueConfig = Field(default_factory=EigenvalueConfig)
+    elasticity: ElasticityConfig = Field(default_factory=ElasticityConfig)
+    autotuning: AutotuningConfig = Field(default_factory=AutotuningConfig)
+    hybrid_engine: HybridEngineConfig = Field(default_factory=HybridEngineConfig)
+    compile: CompileConfig = Field(default_factory=CompileConfig)
+    data_efficiency: DataEfficiencyConfig = Field(default_factory=DataEfficiencyConfig)
+    curriculum_learning: CurriculumLearningConfig | None = None
+    quantize_training: QuantizeTrainingConfig | None = None
+    compression_training: OpaqueSection | None = None
+    weight_quantization: OpaqueSection | None = None
+    sparse_attention: OpaqueSection | None = None
+    vocabulary_size: Annotated[int | None, zint(ge=1, nullable=True)] = None
+    disable_python_gc: Annotated[bool, zbool()] = False
+
+    _world_size: int = PrivateAttr(default=1)
+
+    # -- validation -----------------------------------------------------------------------
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_forms(cls, data: Any) -> Any:
+        """``"zero_optimization": true/false`` was DeepSpeed's first ZeRO switch (stage 1/0)."""
+        if isinstance(data, Mapping) and isinstance(data.get("zero_optimization"), bool):
+            flag = data["zero_optimization"]
+            warnings.warn('"zero_optimization": true/false is deprecated; use '
+                          '"zero_optimization": {"stage": N}', DeprecationWarning, stacklevel=4)
+            data = {**data, "zero_optimization": {"stage": 1 if flag else 0}}
+        if data is not None and not isinstance(data, Mapping):
+            fail(f"{show(data)} is {json_kind(data)}; a config must be a JSON object")
+        return data
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> Config:
+        problems = _cross_check_problems(self)
+        if problems:
+            fail_many(problems)
+        return self
+
+    # -- convenience ----------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        """The data-parallel world size the batch arithmetic was checked against."""
+        return self._world_size
+
+    @property
+    def zero_enabled(self) -> bool:
+        return self.zero_optimization.enabled
+
+    @property
+    def zero_stage(self) -> int | Auto:
+        return self.zero_optimization.stage
+
+    @property
+    def precision(self) -> DType:
+        """The compute precision: ``"fp16"``, ``"bf16"`` or ``"fp32"`` (a ``str`` enum)."""
+        for name in ("fp16", "bf16"):
+            if isinstance(getattr(self, name).enabled, Auto):
+                raise ConfigError(f'{name}.enabled: "auto" is not resolved yet; the precision '
+                                  "is undecided (call resolve_auto first)")
+        if self.fp16.enabled:
+            return DType.FP16
+        if self.bf16.enabled:
+            return DType.BF16
+        return DType.FP32
+
+    @property
+    def bfloat16(self) -> BF16Config:
+        """Older name of :attr:`bf16`."""
+        return self.bf16
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """The resolved config as DeepSpeed JSON: every default filled in, DeepSpeed names."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def features_in_use(self) -> tuple[str, ...]:
+        """Key paths of every non-default feature this config asks for (see ``features``)."""
+        from .features import features_in_use
+
+        return features_in_use(self)
+
+    def check_implemented(self, implemented: frozenset[str] | set[str]) -> None:
+        """Raise ``NotImplementedError`` naming each requested feature not in ``implemented``."""
+        from .features import check_implemented
+
+        check_implemented(self, implemented)
+
+    def unresolved_auto(self) -> list[str]:
+        """Key paths whose value is still ``"auto"``."""
+        from .auto import unresolved_auto
+
+        return unresolved_auto(self)
+
+    def resolve_auto(self, values: Mapping[str, Any]) -> Config:
+        """A new config with the given ``"auto"`` key paths replaced (batch re-checked)."""
+        from .auto import resolve_auto
+
+        return resolve_auto(self, values)
+
+    def require_resolved(self) -> None:
+        """Raise :class:`ConfigError` listing every key path that is still ``"auto"``."""
+        from .auto import require_resolved
+
+        require_resolved(self)
+
+
+def _is_on(flag: bool | Auto) -> bool:
+    return flag is True
+
+
+def _cross_check_problems(cfg: Config) -> list[tuple[tuple[str | int, ...], str]]:
+    """Combinations DeepSpeed rejects; each problem is ``(key_path, message)``."""
+    problems: list[tuple[tuple[str | int, ...], str]] = []
+    stage = cfg.zero_optimization.stage
+    known_stage = not isinstance(stage, Auto)
+    if _is_on(cfg.fp16.enabled) and _is_on(cfg.bf16.enabled):
+        problems.append((("bf16", "enabled"), "true together with fp16.enabled = true; "
+                                               "enable at most one of fp16 and bf16"))
+    if _is_on(cfg.amp.enabled) and (_is_on(cfg.fp16.enabled) or _is_on(cfg.bf16.enabled)):
+        problems.append((("amp", "enabled"), "true together with fp16/bf16; Apex AMP replaces "
+                                              "DeepSpeed's fp16/bf16 modes, enable only one"))
+    for section, key in (("fp16", "fp16_master_weights_and_grads"),
+                         ("bf16", "bf16_master_weights_and_grads"),
+                         ("bf16", "bf16_optimizer_states")):
+        if getattr(getattr(cfg, section), key) and known_stage and stage == 0:
+            problems.append(((section, key), "true needs ZeRO stage 1, 2 or 3; "
+                                             "zero_optimization.stage is 0"))
+    if cfg.bf16.bf16_optimizer_states and not cfg.bf16.bf16_master_weights_and_grads:
+        problems.append((("bf16", "bf16_optimizer_states"),
+                         "true needs bf16.bf16_master_weights_and_grads = true"))
+    if cfg.gradient_allreduce_op == "sum" and known_stage and stage == 3:
+        problems.append((("gradient_allreduce_op",), '"sum" is not supported with ZeRO stage 3'))
+    if cfg.optimizer is not None and cfg.optimizer.type in _ONEBIT and known_stage and stage > 0:
+        problems.append((("optimizer", "type"), f"{show(cfg.optimizer.type)} cannot be combined "
+                                                f"with ZeRO (zero_optimization.stage is {stage})"))
+    return problems
+
+
+__all__ = ["AUTO", "Auto", "Config"]
