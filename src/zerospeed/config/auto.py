@@ -71,7 +71,7 @@ def resolve_auto(cfg: Config, values: Mapping[str, Any]) -> Config:
             problems.append(f"{path}: no such key in this config; only keys whose value is "
                             '"auto" can be resolved')
         elif current != "auto":
-            problems.append(f'{path}: is {show(current)}, not "auto"; only "auto" values can '
+            problems.append(f'{path}: {show(current)} is not "auto"; only "auto" values can '
                             "be resolved")
         else:
             container[key] = thaw(value)

@@ -100,6 +100,9 @@ def _training_features(cfg: Config) -> list[str]:
         out.append("managed_gradient_accumulation")
     if cfg.communication_data_type is not None:
         out.append(f"communication_data_type={_value(cfg.communication_data_type)}")
+    if cfg.seq_parallel_communication_data_type != "fp32":
+        out.append("seq_parallel_communication_data_type="
+                   f"{_value(cfg.seq_parallel_communication_data_type)}")
     if cfg.gradient_predivide_factor != 1.0:
         out.append("gradient_predivide_factor")
     if cfg.gradient_allreduce_op != "mean":

@@ -243,8 +243,9 @@ def _rewrite_cpu_offload(data: dict[str, Any]) -> None:
     if problems:
         fail_many(problems)
     replacement = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
-    warnings.warn("zero_optimization: " + ", ".join(sorted(old)) + " deprecated; use "
-                  "offload_optimizer / offload_param with device and pin_memory",
+    warnings.warn("zero_optimization." + ", zero_optimization.".join(sorted(old))
+                  + (" is" if len(old) == 1 else " are") + " deprecated; use offload_optimizer / "
+                  "offload_param with device and pin_memory",
                   DeprecationWarning, stacklevel=4)
     pin = old.get("cpu_offload_use_pin_memory")
     touched: list[str] = []
@@ -261,7 +262,7 @@ def _rewrite_cpu_offload(data: dict[str, Any]) -> None:
             continue  # pydantic reports the wrong type of the new form
         device = section.get("device", "none")
         if old[old_key] != (device in ("cpu", "nvme")) or (old[old_key] and device != "cpu"):
-            problems.append(((old_key,), f"{show(old[old_key])} conflicts with "
+            problems.append(((old_key,), f"{show(old[old_key])} conflicts with zero_optimization."
                              f"{new_key}.device = {show(device)}; remove the deprecated {old_key}"))
         elif old[old_key]:
             touched.append(new_key)
@@ -272,7 +273,8 @@ def _rewrite_cpu_offload(data: dict[str, Any]) -> None:
                 continue
             if "pin_memory" in section and section["pin_memory"] != pin:
                 problems.append((("cpu_offload_use_pin_memory",), f"{show(pin)} conflicts with "
-                                 f"{new_key}.pin_memory = {show(section['pin_memory'])}; "
+                                 f"zero_optimization.{new_key}.pin_memory = "
+                                 f"{show(section['pin_memory'])}; "
                                  "remove the deprecated cpu_offload_use_pin_memory"))
             else:
                 data[new_key] = {**section, "pin_memory": pin}
