@@ -164,7 +164,7 @@ def test_timeout_names_the_collective_and_the_missing_rank() -> None:
     message = run_distributed(_one_rank_absent, 2, timeout=60)[0]
     assert time.monotonic() - start < 30
     assert message.startswith("all_reduce (call #2 on group 'world', ranks [0, 1]) did not complete within 2s")
-    assert "ranks that did not arrive: [1] (rank 1 last entered #1 broadcast)" in message
+    assert "ranks that did not arrive: [1] (rank 1 not waiting in any collective: busy or dead)" in message
 
 
 def _uninitialized() -> None:
@@ -176,3 +176,27 @@ def test_comm_requires_a_process_group() -> None:
         pytest.skip("a process group is up in the test process")
     with pytest.raises(RuntimeError, match="call zerospeed.init_distributed"):
         Comm()
+
+
+def _rank_stuck_in_an_earlier_collective() -> str:
+    import datetime
+
+    comm = Comm(timeout=datetime.timedelta(seconds=3))
+    if comm.rank == 2:  # waits in a broadcast nobody else joins, long enough to announce itself
+        try:
+            comm.broadcast(torch.zeros(1), src=2)
+        except CollectiveTimeout:
+            pass
+        return ""
+    try:
+        comm.all_reduce(torch.ones(1))
+    except CollectiveTimeout as exc:
+        return str(exc)
+    return "no timeout"
+
+
+def test_timeout_tells_where_a_stuck_rank_waits() -> None:
+    messages = run_distributed(_rank_stuck_in_an_earlier_collective, 3, timeout=60)
+    for message in messages[:2]:
+        assert "all_reduce (call #1 on group 'world', ranks [0, 1, 2]) did not complete within 3s" in message
+        assert "ranks that did not arrive: [2] (rank 2 last seen waiting in #1 broadcast)" in message

@@ -1,10 +1,10 @@
 """Distributed runtime: rank discovery, process groups, and the single door to collectives."""
 
-from zerospeed.dist.comm import CollectiveTimeout, Comm, CommStats, Handle
+from zerospeed.dist.comm import CollectiveError, CollectiveTimeout, Comm, CommStats, Handle
 from zerospeed.dist.env import DistEnv, discover, init_distributed, shutdown_distributed
 from zerospeed.dist.mesh import Mesh, ParallelDims
 
 __all__ = [
-    "CollectiveTimeout", "Comm", "CommStats", "Handle", "DistEnv", "discover", "init_distributed",
+    "CollectiveError", "CollectiveTimeout", "Comm", "CommStats", "Handle", "DistEnv", "discover", "init_distributed",
     "shutdown_distributed", "Mesh", "ParallelDims",
 ]

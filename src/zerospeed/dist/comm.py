@@ -2,7 +2,9 @@
 
 A :class:`Comm` is bound to one process group. Every call goes out asynchronously and is waited
 for with this Comm's timeout, so a hang becomes a :class:`CollectiveTimeout` that names the
-collective and the ranks that never reached it. Calls and bytes are counted per op for profiling
+collective and the ranks that never reached it. Arrival tracking costs nothing on the fast path:
+only a rank that has already waited a while for a collective writes "I am in call #n" to the
+store, so when the timeout fires every rank still waiting has said where it is. Calls and bytes are counted per op for profiling
 and tests. Uneven sizes (padding) and average reductions are handled here, once, for every
 backend.
 
@@ -24,6 +26,7 @@ import torch.distributed as dist
 
 ReduceOpName = Literal["sum", "avg", "max", "min", "product"]
 DEFAULT_COMM_TIMEOUT = datetime.timedelta(minutes=10)
+_PATIENCE = datetime.timedelta(seconds=0.5)  # how long a wait stays silent before announcing itself
 
 _NATIVE_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -34,7 +37,11 @@ _NATIVE_OPS = {
 }
 
 
-class CollectiveTimeout(RuntimeError):
+class CollectiveError(RuntimeError):
+    """A collective failed (a peer died or the network broke); the message says where peers were."""
+
+
+class CollectiveTimeout(CollectiveError):
     """A collective did not complete in time; the message names the ranks that never arrived."""
 
 
@@ -76,10 +83,7 @@ class Handle:
     def wait(self) -> None:
         if self._done:
             return
-        try:
-            self._work.wait(timeout=self._comm.timeout)
-        except Exception as exc:  # gloo and NCCL raise RuntimeError subclasses on timeout
-            raise self._comm.timeout_error(self._op, self._seq, exc) from exc
+        self._comm.wait_work(self._work, self._op, self._seq)
         if self._finish is not None:
             self._finish()
         self._done = True
@@ -113,6 +117,7 @@ class Comm:
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self.global_ranks = tuple(dist.get_process_group_ranks(self.group))
+        self._backend = dist.get_backend(self.group)
         self.stats = CommStats()
         self._seq = 0
         self._store = (store or _default_store()) if track_arrivals else None
@@ -126,9 +131,25 @@ class Comm:
     def _enter(self, op: str, nbytes: int) -> int:
         self._seq += 1
         self.stats.record(op, nbytes)
-        if self._store is not None:
-            self._store.set(self._key(self.global_ranks[self.rank]), f"{self._seq} {op}")
         return self._seq
+
+    def wait_work(self, work: Any, op: str, seq: int) -> None:
+        """Wait for ``work``; after a short patience announce where this rank is, then wait out the timeout."""
+        if self._backend == "nccl":  # NCCL's own watchdog owns timeouts; a timed-out wait would abort it
+            work.wait()
+            return
+        patience = min(self.timeout, _PATIENCE)
+        try:
+            work.wait(timeout=patience)
+            return
+        except Exception:
+            pass  # still running (or failed: the second wait re-raises at once)
+        if self._store is not None:
+            self._store.set(self._key(self.global_ranks[self.rank]), f"{seq} {op}")
+        try:
+            work.wait(timeout=self.timeout - patience)
+        except Exception as exc:
+            raise self.timeout_error(op, seq, exc) from exc
 
     def _run(self, op: str, seq: int, work: Any, async_op: bool,
              finish: Callable[[], None] | None = None) -> Handle | None:
@@ -138,27 +159,28 @@ class Comm:
         handle.wait()
         return None
 
-    def timeout_error(self, op: str, seq: int, cause: BaseException) -> CollectiveTimeout:
-        """Build the error for a failed wait, asking the store where every other rank got to."""
-        secs = self.timeout.total_seconds()
-        head = (f"{op} (call #{seq} on group '{self.name}', ranks {list(self.global_ranks)}) "
-                f"did not complete within {secs:g}s")
+    def timeout_error(self, op: str, seq: int, cause: BaseException) -> CollectiveError:
+        """Build the error for a failed wait, asking the store where every other rank was waiting."""
+        timed_out = "timed out" in str(cause).lower()
+        kind = CollectiveTimeout if timed_out else CollectiveError
+        what = f"did not complete within {self.timeout.total_seconds():g}s" if timed_out else "failed"
+        head = f"{op} (call #{seq} on group '{self.name}', ranks {list(self.global_ranks)}) {what}"
         if self._store is None:
-            return CollectiveTimeout(f"{head}: {cause}")
-        missing, last = [], {}
+            return kind(f"{head}: {cause}")
+        missing, notes = [], []
         for global_rank in self.global_ranks:
             key = self._key(global_rank)
             try:
-                entry = self._store.get(key).decode() if self._store.check([key]) else "0 none"
+                entry = self._store.get(key).decode() if self._store.check([key]) else "0 -"
             except Exception:  # the store itself may be gone when the job is dying
-                entry = "0 unknown"
+                entry = "0 -"
             their_seq, their_op = entry.split(" ", 1)
-            if int(their_seq) < seq:
+            if int(their_seq) < seq or (int(their_seq) == seq and their_op != op):  # behind, or elsewhere
                 missing.append(global_rank)
-                last[global_rank] = f"#{their_seq} {their_op}" if int(their_seq) else "none yet"
-        detail = ", ".join(f"rank {r} last entered {last[r]}" for r in missing)
-        return CollectiveTimeout(
-            f"{head}; ranks that did not arrive: {missing} ({detail or 'all arrived'}). "
+                notes.append(f"rank {global_rank} last seen waiting in #{their_seq} {their_op}"
+                             if int(their_seq) else f"rank {global_rank} not waiting in any collective: busy or dead")
+        return kind(
+            f"{head}; ranks that did not arrive: {missing} ({'; '.join(notes) or 'all arrived'}). "
             f"Every rank must call the same collectives in the same order. Cause: {cause}"
         )
 
