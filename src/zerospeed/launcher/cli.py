@@ -1,0 +1,215 @@
+"""The ``zerospeed`` command (also ``python -m zerospeed``).
+
+``zerospeed <subcommand> ...`` dispatches through a small table keyed by the first token;
+anything else is the launcher: ``zerospeed [launcher options] script.py [script args]``. Launcher
+options must come before the script; everything after it belongs to the script, verbatim.
+
+User mistakes become one ``zerospeed: error: ...`` line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
+from typing import NoReturn
+
+from zerospeed.launcher.errors import LauncherError
+from zerospeed.launcher.plan import DEFAULT_MASTER_ADDR, LaunchPlan, LaunchRequest, Program, resolve_plan
+
+__all__ = ["build_launch_parser", "launch_main", "main", "plan_from_args", "split_script", "subcommands"]
+
+PROG = "zerospeed"
+USAGE_ERROR = 2
+
+Subcommand = Callable[[list[str]], int]
+
+
+def subcommands() -> Mapping[str, Subcommand]:
+    """Subcommands by name. Later issues add e.g. ``convert`` and ``report`` here.
+
+    A script that happens to share a subcommand's name can still be launched as ``./name``.
+    """
+    return MappingProxyType({})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the console script; returns the process exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    table = subcommands()
+    if args and args[0] in table:
+        return table[args[0]](args[1:])
+    return launch_main(args)
+
+
+def launch_main(argv: Sequence[str]) -> int:
+    """Parse launcher options, resolve the plan and run it."""
+    from zerospeed.launcher.runners import run
+
+    try:
+        plan = plan_from_args(argv)
+        return run(plan)
+    except LauncherError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+    except _HelpShown as shown:
+        return shown.code
+
+
+class _HelpShown(Exception):
+    """``--help`` was printed; carries the exit code argparse wanted instead of exiting."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of exiting, so ``main()`` returns and errors stay one line."""
+
+    def error(self, message: str) -> NoReturn:
+        raise LauncherError(f"{message} (see '{PROG} --help')")
+
+    def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
+        if message:
+            print(message, file=sys.stderr, end="")
+        raise _HelpShown(status)
+
+
+# Launcher options that take a value; all others are flags. Used to find where the script starts.
+_VALUE_OPTIONS = frozenset({
+    "--num_procs", "--num-procs", "--nproc_per_node", "--nproc-per-node", "--num_gpus", "--num-gpus",
+    "--num_nodes", "--num-nodes", "--master_addr", "--master-addr", "--master_port",
+    "--master-port", "-H", "--hostfile", "-i", "--include", "-e", "--exclude",
+})
+_USAGE = f"{PROG} [options] script [script args ...]\n       {PROG} <subcommand> ..."
+
+
+def build_launch_parser() -> argparse.ArgumentParser:
+    """The launcher's options (DeepSpeed's underscore names, with dashed aliases); the script and
+    its arguments are split off by :func:`split_script` and never seen by argparse."""
+    parser = _Parser(
+        prog=PROG,
+        usage=_USAGE,
+        allow_abbrev=False,
+        description="Launch a training script on one machine, one process per rank, "
+        "DeepSpeed-style. Launcher options go before the script (a .py file; a module with -m; an "
+        "executable with --no_python); everything after the script is passed to it unchanged.",
+        epilog="Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and "
+        "MASTER_PORT (and OMP_NUM_THREADS=1 if unset and more than one rank). If any rank fails, "
+        "the others are stopped and the launcher exits non-zero.",
+    )
+    count = parser.add_mutually_exclusive_group()
+    count.add_argument("--num_procs", "--num-procs", "--nproc_per_node", "--nproc-per-node",
+                       dest="num_procs", type=int, metavar="N",
+                       help="ranks to start on this node (default: CUDA device count, else 1)")
+    count.add_argument("--num_gpus", "--num-gpus", dest="num_procs", type=int, metavar="N",
+                       help="DeepSpeed's name for --num_procs")
+    parser.add_argument("--num_nodes", "--num-nodes", type=int, metavar="K",
+                        help="use the first K hosts of the hostfile (only K=1 is implemented)")
+    parser.add_argument("--master_addr", "--master-addr", default=DEFAULT_MASTER_ADDR, metavar="A",
+                        help=f"address of rank 0's rendezvous store (default: {DEFAULT_MASTER_ADDR})")
+    parser.add_argument("--master_port", "--master-port", type=int, metavar="P",
+                        help="rendezvous port (default: 29500, or a free port if 29500 is busy; "
+                        "0 = any free port)")
+    parser.add_argument("-H", "--hostfile", metavar="F",
+                        help="MPI-style hostfile ('<host> slots=<n>' per line); default: this "
+                        "machine only, as 'localhost'")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("-i", "--include", metavar="S",
+                       help="hosts/slots to use, e.g. 'worker-0@worker-1:0,2' or 'localhost:1,3'")
+    which.add_argument("-e", "--exclude", metavar="S",
+                       help="hosts/slots to leave out, same syntax as --include")
+    kind = parser.add_mutually_exclusive_group()
+    kind.add_argument("-m", "--module", action="store_true",
+                      help="run the script as a Python module (python -m)")
+    kind.add_argument("--no_python", "--no-python", action="store_true",
+                      help="run the script as an executable, not through Python")
+    parser.add_argument("--append_local_rank", "--append-local-rank", action="store_true",
+                        help="append --local_rank=<n> to the script's arguments (DeepSpeed always "
+                        "does; we only do it on request)")
+    return parser
+
+
+def split_script(argv: Sequence[str]) -> tuple[list[str], str | None, list[str]]:
+    """Split ``argv`` into (launcher options, script, script args) at the first non-option token.
+
+    Done by hand rather than with argparse's REMAINDER, which drops a ``--`` that directly follows
+    the script; the script's arguments must reach it byte for byte. A ``--`` before the script
+    ends the launcher options.
+    """
+    index = 0
+    while index < len(argv):
+        token = argv[index]
+        if token == "--":
+            index += 1
+            break
+        if not token.startswith("-") or token == "-":
+            break
+        takes_value = token in _VALUE_OPTIONS
+        index += 2 if takes_value else 1
+    else:
+        return list(argv), None, []
+    if index >= len(argv):
+        return list(argv[: index]), None, []
+    return list(argv[:index]), argv[index], list(argv[index + 1:])
+
+
+def plan_from_args(argv: Sequence[str], *, environ: Mapping[str, str] | None = None) -> LaunchPlan:
+    """Parse ``argv`` and resolve it against this machine (hostfile, CUDA devices)."""
+    from zerospeed.launcher.hostfile import read_hostfile
+
+    environ = os.environ if environ is None else environ
+    options, script, script_args = split_script(argv)
+    ns = build_launch_parser().parse_args([opt for opt in options if opt != "--"])
+    if script is None:
+        raise LauncherError(f"missing the script to run; usage: {PROG} [options] script.py [args]")
+    program = Program(
+        script=script,
+        args=tuple(script_args),
+        module=ns.module,
+        no_python=ns.no_python,
+        append_local_rank=ns.append_local_rank,
+    )
+    _check_program(program)
+    request = LaunchRequest(
+        program=program,
+        num_procs=ns.num_procs,
+        num_nodes=ns.num_nodes,
+        include=ns.include,
+        exclude=ns.exclude,
+        hostfile=ns.hostfile,
+        master_addr=ns.master_addr,
+        master_port=ns.master_port,
+    )
+    hostfile = read_hostfile(ns.hostfile) if ns.hostfile else None
+    cuda_count = _cuda_device_count()
+    return resolve_plan(
+        request,
+        hostfile_resources=hostfile,
+        default_local_slots=max(cuda_count, 1),
+        cuda_available=cuda_count > 0,
+        inherited_visible_devices=environ.get("CUDA_VISIBLE_DEVICES"),
+    )
+
+
+def _check_program(program: Program) -> None:
+    """Fail before starting N processes that would all die with the same 'file not found'."""
+    if program.module:
+        return
+    if program.no_python:
+        if os.path.isfile(program.script) or shutil.which(program.script):
+            return
+        raise LauncherError(f"executable {program.script!r} not found (with --no_python)")
+    if not os.path.isfile(program.script):
+        hint = " (did you mean --module?)" if not program.script.endswith(".py") else ""
+        raise LauncherError(f"script {program.script!r} not found{hint}")
+
+
+def _cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
