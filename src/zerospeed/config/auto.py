@@ -58,7 +58,7 @@ def resolve_auto(cfg: Config, values: Mapping[str, Any]) -> Config:
     """Replace each ``"auto"`` named in ``values`` and re-validate (batch re-checked)."""
     from .load import build_config
 
-    data = cfg.to_dict()
+    data = cfg.source_dict()
     problems: list[str] = []
     for path, value in values.items():
         parts = canonical_path(type(cfg), parse_path(path))

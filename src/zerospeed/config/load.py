@@ -118,6 +118,7 @@ def build_config(data: Mapping[str, Any], world_size: int) -> Config:
         raise config_error(err, Config) from None
     batch = (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
              cfg.gradient_accumulation_steps)
+    given = batch
     if not cfg.elasticity.enabled and not any(isinstance(v, Auto) for v in batch):
         sizes = resolve_batch(*batch, world_size=world_size)  # type: ignore[arg-type]
         cfg = cfg.model_copy(update={
@@ -126,6 +127,7 @@ def build_config(data: Mapping[str, Any], world_size: int) -> Config:
             "gradient_accumulation_steps": sizes.gradient_accumulation_steps,
         })
     cfg._world_size = world_size
+    cfg._batch_given = given
     return cfg
 
 
@@ -133,12 +135,13 @@ def load_config(source: ConfigSource, *, world_size: int = 1) -> Config:
     """Parse and check a DeepSpeed-style config.
 
     ``source`` is a dict, an existing :class:`Config` (returned as is for the same world
-    size), a path (``str`` or ``os.PathLike``) to a JSON or hjson file, or a
-    urlsafe-base64 encoded JSON string. ``world_size`` is the data-parallel size the batch
-    arithmetic is checked against. Every problem raises :class:`ConfigError`.
+    size, re-derived from the batch values as written otherwise), a path (``str`` or
+    ``os.PathLike``) to a JSON or hjson file, or a urlsafe-base64 encoded JSON string.
+    ``world_size`` is the data-parallel size the batch arithmetic is checked against.
+    Every problem raises :class:`ConfigError`.
     """
     if isinstance(source, Config):
         if source.world_size == world_size:
             return source
-        return build_config(source.to_dict(), world_size)
+        return build_config(source.source_dict(), world_size)
     return build_config(read_source(source), world_size)

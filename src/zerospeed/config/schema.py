@@ -162,6 +162,17 @@ class Config(Section):
     disable_python_gc: Annotated[bool, zbool()] = False
 
     _world_size: int = PrivateAttr(default=1)
+    #: The batch values as written (before derivation), to re-derive for another world size.
+    _batch_given: tuple[int | Auto | None, ...] = PrivateAttr(default=(None, None, None))
+
+    def __eq__(self, other: object) -> bool:
+        """Equal settings and world size (how the batch values were written does not count)."""
+        if not isinstance(other, Config):
+            return NotImplemented
+        return self.__dict__ == other.__dict__ and self._world_size == other._world_size
+
+    def __hash__(self) -> int:
+        return hash((tuple(self.__dict__.values()), self._world_size))
 
     # -- validation -----------------------------------------------------------------------
 
@@ -217,6 +228,18 @@ class Config(Section):
     def bfloat16(self) -> BF16Config:
         """Older name of :attr:`bf16`."""
         return self.bf16
+
+    def source_dict(self) -> dict[str, Any]:
+        """Like :meth:`to_dict`, but with the batch keys as originally written (derived ones
+        left out), so the config can be re-checked for another world size."""
+        data = self.to_dict()
+        keys = ("train_batch_size", "train_micro_batch_size_per_gpu",
+                "gradient_accumulation_steps")
+        for key, given in zip(keys, self._batch_given):
+            data.pop(key, None)
+            if given is not None:
+                data[key] = "auto" if isinstance(given, Auto) else given
+        return data
 
     def to_json(self, indent: int | None = 2) -> str:
         """The resolved config as DeepSpeed JSON: every default filled in, DeepSpeed names."""
