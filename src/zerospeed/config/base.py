@@ -137,10 +137,13 @@ class LooseSection(Section):
 
     def iter_leaves(self, prefix: tuple[str | int, ...] = ()
                     ) -> Iterator[tuple[tuple[str | int, ...], Any]]:
+        kept = []
         for path, value in super().iter_leaves(prefix):
             if len(path) > len(prefix) and path[len(prefix)] == "passthrough":
-                path = prefix + path[len(prefix) + 1:]
-            yield path, value
+                kept.append((prefix + path[len(prefix) + 1:], value))
+            else:
+                yield path, value
+        yield from kept  # printed after the typed keys, as in to_dict
 
 
 def dump_value(value: Any) -> Any:

@@ -220,7 +220,7 @@ def check_params(params: Mapping[str, Any], spec: Mapping[str, Param], *,
     for key, value in params.items():
         if key not in spec:
             message = unknown_key_message(key, tuple(spec))
-            if key == "max_grad_norm" and "did you mean" not in message:
+            if key == "max_grad_norm":
                 message = "unknown key; clip gradients with the top-level gradient_clipping"
             problems.append((("params", key), message))
             continue

@@ -225,13 +225,13 @@ def check_float(value: Any, *, ge: float | None = None, gt: float | None = None,
     expected = range_phrase("a number", ge=ge, gt=gt, le=le, lt=lt)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         fail(f"{show(value)} is {json_kind(value)}; expected {expected}")
-    value = float(value)
-    if not math.isfinite(value):
+    number = float(value)
+    if not math.isfinite(number):
         fail(f"{show(value)} is not a finite number; expected {expected}")
-    if ((ge is not None and value < ge) or (gt is not None and value <= gt)
-            or (le is not None and value > le) or (lt is not None and value >= lt)):
+    if ((ge is not None and number < ge) or (gt is not None and number <= gt)
+            or (le is not None and number > le) or (lt is not None and number >= lt)):
         fail(f"{show(value)} is out of range; expected {expected}")
-    return value
+    return number
 
 
 def check_str(value: Any) -> str:
