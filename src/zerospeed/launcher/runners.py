@@ -88,18 +88,19 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def choose_master_port(requested: int | None, *, log: TextIO | None = None) -> int:
+def choose_master_port(
+    requested: int | None, *, default: int = DEFAULT_MASTER_PORT, log: TextIO | None = None
+) -> int:
     """Resolve the rendezvous port: an explicit port must be free, ``0`` means any free port, and
-    an unspecified port is the default 29500 unless that is busy, in which case we pick a free one."""
+    an unspecified port is ``default`` (29500) unless that is busy, in which case we pick a free
+    one. (Probing then binding leaves a tiny window for another process to take the port.)"""
     if requested is None:
-        if port_is_free(DEFAULT_MASTER_PORT):
-            return DEFAULT_MASTER_PORT
+        if port_is_free(default):
+            return default
         port = _free_port()
         if log is not None:
-            print(
-                f"zerospeed: default master port {DEFAULT_MASTER_PORT} is busy, using free port {port}",
-                file=log,
-            )
+            print(f"zerospeed: default master port {default} is busy, using free port {port}",
+                  file=log)
         return port
     if requested == 0:
         return _free_port()
