@@ -27,7 +27,8 @@ def test_unknown_key_with_suggestion_in_zero_section() -> None:
 
 def test_unknown_top_level_key() -> None:
     assert problems({"train_micro_batch_size_per_gpus": 2}) == (
-        "train_micro_batch_size_per_gpus: unknown key; did you mean train_micro_batch_size_per_gpu?",)
+        "train_micro_batch_size_per_gpus: unknown key; "
+        "did you mean train_micro_batch_size_per_gpu?",)
 
 
 def test_unknown_key_three_levels_down() -> None:
@@ -245,3 +246,19 @@ def test_loose_sections_accept_unknown_keys_but_type_known_ones() -> None:
     assert cfg.to_dict()["autotuning"] == {"enabled": False, "fast": True}
     assert problems({"autotuning": {"enabled": "yes"}}) == (
         'autotuning.enabled: "yes" is a string; expected true or false',)
+
+
+def test_steps_per_print_infinity_means_never() -> None:
+    # accelerate writes float("inf") to silence DeepSpeed's periodic printing.
+    cfg = load_config({**BATCH, "steps_per_print": float("inf")})
+    assert cfg.steps_per_print is None
+    assert "steps_per_print" not in cfg.to_dict()
+    assert load_config({**BATCH, "steps_per_print": 100}).steps_per_print == 100
+
+
+def test_null_batch_size_is_not_set() -> None:
+    # accelerate writes "train_batch_size": null next to the micro batch.
+    cfg = load_config({"train_batch_size": None, "train_micro_batch_size_per_gpu": 2,
+                       "gradient_accumulation_steps": 3}, world_size=2)
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
+            cfg.gradient_accumulation_steps) == (12, 2, 3)

@@ -50,7 +50,8 @@ def test_torch_optimizer_class_names() -> None:
     assert cfg.optimizer.type == "SGD"
     assert not cfg.optimizer.is_deepspeed_type
     assert dict(cfg.optimizer.params) == {"lr": 0.1, "momentum": 0.9, "nesterov": True}
-    assert load({"optimizer": {"type": "RMSprop"}}).optimizer.type == "RMSprop"  # type: ignore[union-attr]
+    rms = load({"optimizer": {"type": "RMSprop"}}).optimizer
+    assert rms is not None and rms.type == "RMSprop"
 
 
 def test_torch_optimizer_params_checked_against_signature() -> None:
@@ -135,7 +136,8 @@ def test_warmup_lr_defaults_filled_in() -> None:
                                           "warmup_num_steps": 1000, "warmup_type": "log",
                                           "last_batch_iteration": -1}
     # warmup_max_lr defaults to the optimizer's lr (None), so it is left out when absent.
-    assert "warmup_max_lr" not in load({"scheduler": {"type": "WarmupLR"}}).scheduler.params  # type: ignore[union-attr]
+    bare = load({"scheduler": {"type": "WarmupLR"}}).scheduler
+    assert bare is not None and "warmup_max_lr" not in bare.params
 
 
 def test_warmup_decay_and_cosine_defaults() -> None:

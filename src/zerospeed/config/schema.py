@@ -55,10 +55,12 @@ from .values import (
     AUTO,
     Auto,
     DType,
+    check_int,
     fail,
     fail_many,
     json_kind,
     show,
+    validator,
     zbool,
     zchoice,
     zdtype,
@@ -68,6 +70,13 @@ from .values import (
 )
 
 _BATCH = Annotated[int | Auto | None, zint(ge=1, auto=True, nullable=True)]
+
+
+def _steps_per_print(value: Any) -> int | None:
+    if isinstance(value, float) and value == float("inf"):
+        return None
+    return check_int(value, ge=1)
+
 _ONEBIT = ("OneBitAdam", "ZeroOneAdam", "OneBitLamb")
 
 
@@ -125,7 +134,9 @@ class Config(Section):
     use_data_before_expert_parallelism: Annotated[bool, zbool()] = False
 
     # -- logging, monitoring, profiling ---------------------------------------------------
-    steps_per_print: Annotated[int | None, zint(ge=1, nullable=True)] = None
+    #: ``None`` = never print; accelerate's ``float("inf")`` is read the same way.
+    steps_per_print: Annotated[int | None, validator(_steps_per_print, "an integer >= 1",
+                                                      nullable=True)] = None
     wall_clock_breakdown: Annotated[bool, zbool()] = False
     memory_breakdown: Annotated[bool, zbool()] = False
     dump_state: Annotated[bool, zbool()] = False

@@ -14,6 +14,7 @@ import inspect
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Annotated, Any
 
 from pydantic import model_validator
@@ -98,30 +99,30 @@ def _any_json(v: Any) -> Any:
     return freeze(v)
 
 
-_ADAM_COMMON = {
+_ADAM_COMMON = MappingProxyType({
     "lr": Param(_nonneg), "betas": Param(_betas), "eps": Param(_nonneg),
     "weight_decay": Param(_nonneg), "amsgrad": Param(check_bool),
-}
-_TORCH_ADAM_EXTRA = {
+})
+_TORCH_ADAM_EXTRA = MappingProxyType({
     "foreach": Param(_optional_bool), "maximize": Param(check_bool),
     "capturable": Param(check_bool), "differentiable": Param(check_bool),
     "fused": Param(_optional_bool),
-}
-_ADAM = {
+})
+_ADAM = MappingProxyType({
     **_ADAM_COMMON, "bias_correction": Param(check_bool), "adam_w_mode": Param(check_bool),
     "torch_adam": Param(check_bool), "set_grad_none": Param(check_bool),
     "fp32_optimizer_states": Param(check_bool), **_TORCH_ADAM_EXTRA,
-}
-_ONEBIT_COMMON = {
+})
+_ONEBIT_COMMON = MappingProxyType({
     "lr": Param(_nonneg), "bias_correction": Param(check_bool), "betas": Param(_betas),
     "eps": Param(_nonneg), "eps_inside_sqrt": Param(check_bool), "weight_decay": Param(_nonneg),
     "max_grad_norm": Param(_nonneg), "amsgrad": Param(check_bool),
     "cuda_aware": Param(check_bool), "comm_backend_name": Param(check_str),
-}
-_LAMB_COEFFS = {"max_coeff": Param(_nonneg), "min_coeff": Param(_nonneg)}
+})
+_LAMB_COEFFS = MappingProxyType({"max_coeff": Param(_nonneg), "min_coeff": Param(_nonneg)})
 
 #: DeepSpeed's optimizer names (matched case-insensitively) -> printed name and params.
-DEEPSPEED_OPTIMIZERS: Mapping[str, tuple[str, Mapping[str, Param]]] = {
+DEEPSPEED_OPTIMIZERS: Mapping[str, tuple[str, Mapping[str, Param]]] = MappingProxyType({
     "adam": ("Adam", _ADAM),
     "adamw": ("AdamW", _ADAM),
     "lamb": ("Lamb", {
@@ -160,16 +161,19 @@ DEEPSPEED_OPTIMIZERS: Mapping[str, tuple[str, Mapping[str, Param]]] = {
         "lr": Param(_nonneg), "momentum": Param(_nonneg), "weight_decay": Param(_nonneg),
         "muon_lr": Param(_nonneg), "betas": Param(_betas), "eps": Param(_nonneg),
         "adam_lr": Param(_nonneg)}),
-}
+})
+DEEPSPEED_OPTIMIZERS = MappingProxyType({  # inner specs read-only too
+    key: (name, MappingProxyType(dict(spec)))
+    for key, (name, spec) in DEEPSPEED_OPTIMIZERS.items()})
 
-_WARMUP_COMMON = {
+_WARMUP_COMMON = MappingProxyType({
     "warmup_num_steps": Param(_positive_int, 1000),
     "warmup_type": Param(_warmup_type, "log"),
     "last_batch_iteration": Param(_last_batch_iteration, -1),
-}
+})
 
 #: DeepSpeed's LR schedules (case-sensitive, as in DeepSpeed) with DeepSpeed's defaults.
-DEEPSPEED_SCHEDULERS: Mapping[str, Mapping[str, Param]] = {
+DEEPSPEED_SCHEDULERS: Mapping[str, Mapping[str, Param]] = MappingProxyType({
     "WarmupLR": {
         "warmup_min_lr": Param(_number_or_list, 0.0),
         "warmup_max_lr": Param(_number_or_list, None),  # None: the optimizer's lr
@@ -209,7 +213,9 @@ DEEPSPEED_SCHEDULERS: Mapping[str, Mapping[str, Param]] = {
         "lr_range_test_staircase": Param(check_bool, False),
         "last_batch_iteration": Param(_last_batch_iteration, -1),
     },
-}
+})
+DEEPSPEED_SCHEDULERS = MappingProxyType({
+    key: MappingProxyType(dict(spec)) for key, spec in DEEPSPEED_SCHEDULERS.items()})
 
 
 def check_params(params: Mapping[str, Any], spec: Mapping[str, Param], *,

@@ -239,7 +239,8 @@ def _rewrite_cpu_offload(data: dict[str, Any]) -> None:
     problems: list[tuple[tuple[str | int, ...], str]] = []
     for key, value in old.items():
         if not isinstance(value, bool):
-            problems.append(((key,), f"{show(value)} is {json_kind(value)}; expected true or false"))
+            problems.append(((key,), f"{show(value)} is {json_kind(value)}; "
+                                     "expected true or false"))
     if problems:
         fail_many(problems)
     replacement = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}

@@ -15,6 +15,7 @@ import json
 import math
 import pathlib
 from collections.abc import Callable, Iterator, Mapping
+from types import MappingProxyType
 from typing import Any, NoReturn, TypeVar
 
 from pydantic import PlainValidator
@@ -73,11 +74,11 @@ class DType(str, enum.Enum):
 
 
 #: Every spelling DeepSpeed accepts for a dtype (compared lower-cased).
-DTYPE_SPELLINGS: Mapping[str, DType] = {
+DTYPE_SPELLINGS: Mapping[str, DType] = MappingProxyType({
     "fp32": DType.FP32, "float32": DType.FP32, "float": DType.FP32, "torch.float32": DType.FP32,
     "fp16": DType.FP16, "float16": DType.FP16, "half": DType.FP16, "torch.float16": DType.FP16,
     "bf16": DType.BF16, "bfloat16": DType.BF16, "torch.bfloat16": DType.BF16,
-}
+})
 
 
 class FrozenDict(Mapping[str, Any]):
@@ -337,7 +338,8 @@ def zchoice(options: Mapping[str, Any], shown: tuple[str, ...] | None = None, *,
                      auto=auto, nullable=nullable)
 
 
-def zenum(enum_cls: type[enum.Enum], *, auto: bool = False, nullable: bool = False) -> PlainValidator:
+def zenum(enum_cls: type[enum.Enum], *, auto: bool = False,
+          nullable: bool = False) -> PlainValidator:
     options = {m.value: m for m in enum_cls}
     return zchoice(options, tuple(options), auto=auto, nullable=nullable)
 
