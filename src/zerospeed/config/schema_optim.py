@@ -57,8 +57,10 @@ def _nonneg(v: Any) -> float:
     return check_float(v, ge=0)
 
 
-def _number(v: Any) -> float:
-    return check_float(v)
+def _number(v: Any) -> int | float:
+    """Any finite number, keeping ints as ints (torch arguments such as ``total_iters``)."""
+    number = check_float(v)
+    return v if isinstance(v, int) else number
 
 
 def _count(v: Any) -> int:
