@@ -4,7 +4,6 @@ the CLI's user-error path (one line on stderr, exit code 2)."""
 from __future__ import annotations
 
 import socket
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -219,6 +218,9 @@ def _run_main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int,
     ("argv", "message"),
     [
         (["missing_script.py"], "zerospeed: error: script 'missing_script.py' not found\n"),
+        (["train"], "zerospeed: error: script 'train' not found (did you mean --module?)\n"),
+        (["--no_python", "no-such-exe-zs"],
+         "zerospeed: error: executable 'no-such-exe-zs' not found (with --no_python)\n"),
         (["--num_procs", "x", "s.py"],
          "zerospeed: error: argument --num_procs/--num-procs/--nproc_per_node/--nproc-per-node: "
          "invalid int value: 'x' (see 'zerospeed --help')\n"),
@@ -277,7 +279,43 @@ def test_subcommand_table_is_read_only() -> None:
         table["x"] = lambda argv: 0  # type: ignore[index]
 
 
-def test_module_script_is_not_checked_on_disk(capsys: pytest.CaptureFixture[str]) -> None:
+def test_module_script_is_not_checked_on_disk() -> None:
     plan = plan_from_args(["-m", "some.module", "a"], environ={})
     assert plan.program == Program(script="some.module", args=("a",), module=True)
-    assert sys.executable  # the worker command uses this interpreter
+
+
+def test_no_python_accepts_executables_on_path() -> None:
+    plan = plan_from_args(["--no_python", "true", "x"], environ={})
+    assert plan.program == Program(script="true", args=("x",), no_python=True)
+
+
+# --- failure summary --------------------------------------------------------------------------
+
+
+def test_failure_summary_names_root_cause_and_maps_signals(tmp_path: Path) -> None:
+    import io
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from zerospeed.launcher.runners import _report_failure
+
+    def failure(local_rank: int, exitcode: int, timestamp: int) -> ProcessFailure:
+        item = ProcessFailure(local_rank=local_rank, pid=100 + local_rank, exitcode=exitcode,
+                              error_file=str(tmp_path / "absent.json"))
+        item.timestamp = timestamp
+        return item
+
+    failures = {
+        0: failure(0, -int(signal.SIGTERM), 20),
+        1: failure(1, -int(signal.SIGABRT), 10),
+        2: failure(2, 5, 30),
+        3: failure(3, -int(signal.SIGTERM), 20),
+    }
+    log = io.StringIO()
+    assert _report_failure(ChildFailedError("job", failures), log) == 128 + int(signal.SIGABRT)
+    assert log.getvalue() == (
+        "zerospeed: rank 1 (local_rank 1, pid 101) was killed by SIGABRT; see its output above\n"
+        "zerospeed: rank 2 also exited with code 5\n"
+        "zerospeed: stopped the remaining rank(s) 0, 3\n"
+    )

@@ -148,7 +148,7 @@ def run_local(plan: LaunchPlan, *, log: TextIO | None = None) -> int:
         try:
             elastic_launch(config, entrypoint)(*args)
         except ChildFailedError as failed:
-            return _report_failure(failed, plan.nproc_per_node, log)
+            return _report_failure(failed, log)
         except SignalException as stopped:
             print(f"zerospeed: stopped by {stopped.sigval.name}; all ranks were terminated", file=log)
             return 128 + int(stopped.sigval)
@@ -179,7 +179,7 @@ def _patched_environ(extra: Mapping[str, str]) -> Iterator[None]:
         os.environ.update(saved)
 
 
-def _report_failure(failed: ChildFailedError, world_size: int, log: TextIO) -> int:
+def _report_failure(failed: ChildFailedError, log: TextIO) -> int:
     """Name the rank that failed first and how; its traceback was already streamed to our stderr.
 
     Ranks the agent terminated afterwards are listed as stopped, not as failures, so the summary
