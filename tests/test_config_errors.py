@@ -262,3 +262,46 @@ def test_null_batch_size_is_not_set() -> None:
                        "gradient_accumulation_steps": 3}, world_size=2)
     assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
             cfg.gradient_accumulation_steps) == (12, 2, 3)
+
+
+def test_null_sections() -> None:
+    assert problems({"fp16": None}) == ("fp16: null is not allowed; expected an object",)
+    cfg = load_config({**BATCH, "aio": None, "optimizer": None, "pipeline": None})
+    assert cfg.aio.block_size == 1_048_576
+    assert cfg.optimizer is None and cfg.pipeline is None
+
+
+def _leaf_paths(node: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    if isinstance(node, dict):
+        return [p for k, v in node.items() for p in _leaf_paths(v, path + (k,))] + [path]
+    if isinstance(node, list):
+        return [p for i, v in enumerate(node) for p in _leaf_paths(v, path + (i,))] + [path]
+    return [path]
+
+
+def test_no_raw_exception_escapes_for_odd_values() -> None:
+    """Replace every key of a big config by odd values: only ConfigError may come out."""
+    import copy
+    import pathlib
+    import warnings
+
+    source = pathlib.Path(__file__).parent / "data" / "ds_zero3_nvme_offload.json"
+    base = load_config(source, world_size=16).to_dict()
+    tried = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for path in _leaf_paths(base):
+            if not path:
+                continue
+            for odd in (None, "x", -1, 1.5, True, {}):
+                data = copy.deepcopy(base)
+                node = data
+                for part in path[:-1]:
+                    node = node[part]
+                node[path[-1]] = odd
+                tried += 1
+                try:
+                    load_config(data, world_size=16)
+                except ConfigError as err:
+                    assert all(": " in line for line in err.problems), err.problems
+    assert tried > 500

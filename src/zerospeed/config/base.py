@@ -60,6 +60,14 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=False)
 
     extra_keys: ClassVar[tuple[str, ...]] = ()
+    #: Fields known under several names, as (accepted names...) tuples; set per class.
+    alias_groups: ClassVar[tuple[tuple[str, ...], ...]] = ()
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        groups = (accepted_names(n, f) for n, f in cls.model_fields.items())
+        cls.alias_groups = tuple(g for g in groups if len(g) > 1)
 
     @classmethod
     def key_names(cls) -> tuple[str, ...]:
@@ -82,8 +90,8 @@ class Section(BaseModel):
         if not isinstance(data, Mapping):
             return data
         problems = []
-        for name, field in cls.model_fields.items():
-            given = [k for k in accepted_names(name, field) if k in data]
+        for group in cls.alias_groups:
+            given = [k for k in group if k in data]
             if len(given) > 1:
                 problems.append(((given[0],), f"also given as {given[1]}; they are the same "
                                               "setting, give only one"))

@@ -190,7 +190,10 @@ class Config(Section):
     @model_validator(mode="before")
     @classmethod
     def _legacy_forms(cls, data: Any) -> Any:
-        """``"zero_optimization": true/false`` was DeepSpeed's first ZeRO switch (stage 1/0)."""
+        """``"zero_optimization": true/false`` was DeepSpeed's first ZeRO switch (stage 1/0);
+        ``"aio": null`` means the defaults, as in DeepSpeed."""
+        if isinstance(data, Mapping) and "aio" in data and data["aio"] is None:
+            data = {k: v for k, v in data.items() if k != "aio"}  # DeepSpeed reads null as {}
         if isinstance(data, Mapping) and isinstance(data.get("zero_optimization"), bool):
             flag = data["zero_optimization"]
             warnings.warn('"zero_optimization": true/false is deprecated; use '

@@ -64,6 +64,8 @@ def _lines_for(error: Any, root: type[Section]) -> list[str]:
         return [line(loc, "required key is missing")]
     if kind in ("model_type", "model_attributes_type", "dict_type"):
         value = error.get("input")
+        if value is None:
+            return [line(loc, "null is not allowed; expected an object")]
         return [line(loc, f"{show(value)} is {json_kind(value)}; expected an object")]
     return [line(loc, f"{error.get('msg', 'invalid value')} (got {show(error.get('input'))})")]
 

@@ -206,32 +206,36 @@ def check_bool(value: Any) -> bool:
 
 def check_int(value: Any, *, ge: int | None = None, le: int | None = None,
               choices: tuple[int, ...] | None = None) -> int:
-    expected = (f"one of {', '.join(map(str, choices))}" if choices
+    def expected() -> str:
+        return (f"one of {', '.join(map(str, choices))}" if choices
                 else range_phrase("an integer", ge=ge, le=le))
+
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        fail(f"{show(value)} is {json_kind(value)}; expected {expected}")
+        fail(f"{show(value)} is {json_kind(value)}; expected {expected()}")
     if isinstance(value, float):
         if not math.isfinite(value) or not value.is_integer():
-            fail(f"{show(value)} is not a whole number; expected {expected}")
+            fail(f"{show(value)} is not a whole number; expected {expected()}")
         value = int(value)
     if choices is not None and value not in choices:
-        fail(f"{value} is not allowed; expected {expected}")
+        fail(f"{value} is not allowed; expected {expected()}")
     if (ge is not None and value < ge) or (le is not None and value > le):
-        fail(f"{value} is out of range; expected {expected}")
+        fail(f"{value} is out of range; expected {expected()}")
     return value
 
 
 def check_float(value: Any, *, ge: float | None = None, gt: float | None = None,
                 le: float | None = None, lt: float | None = None) -> float:
-    expected = range_phrase("a number", ge=ge, gt=gt, le=le, lt=lt)
+    def expected() -> str:
+        return range_phrase("a number", ge=ge, gt=gt, le=le, lt=lt)
+
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        fail(f"{show(value)} is {json_kind(value)}; expected {expected}")
+        fail(f"{show(value)} is {json_kind(value)}; expected {expected()}")
     number = float(value)
     if not math.isfinite(number):
-        fail(f"{show(value)} is not a finite number; expected {expected}")
+        fail(f"{show(value)} is not a finite number; expected {expected()}")
     if ((ge is not None and number < ge) or (gt is not None and number <= gt)
             or (le is not None and number > le) or (lt is not None and number >= lt)):
-        fail(f"{show(value)} is out of range; expected {expected}")
+        fail(f"{show(value)} is out of range; expected {expected()}")
     return number
 
 
