@@ -94,3 +94,15 @@ def test_wildcard_does_not_cover_plain_keys() -> None:
     cfg = load_config({**BATCH, "pipeline": {"stages": 2}})
     with pytest.raises(NotImplementedError, match=r": pipeline$"):
         cfg.check_implemented(frozenset({"pipeline=*"}))
+
+
+def test_elasticity_is_a_feature_and_skips_batch_arithmetic() -> None:
+    # DeepSpeed computes the batch from the elasticity section; zerospeed does not (yet),
+    # so the batch stays unset and the feature is reported for the engine to refuse.
+    cfg = load_config({"elasticity": {"enabled": True, "max_train_batch_size": 2000,
+                                      "micro_batch_sizes": [2, 4, 6], "min_gpus": 1,
+                                      "max_gpus": 10000, "version": 0.1}})
+    assert cfg.train_batch_size is None
+    assert cfg.features_in_use() == ("elasticity",)
+    with pytest.raises(NotImplementedError, match=r": elasticity$"):
+        cfg.check_implemented(frozenset())

@@ -11,21 +11,49 @@ from .errors import ConfigError
 from .features import check_implemented, features_in_use
 from .load import ConfigSource, load_config
 from .schema import Config
-from .schema_optim import DEEPSPEED_OPTIMIZERS, DEEPSPEED_SCHEDULERS
+from .schema_features import (
+    ActivationCheckpointingConfig,
+    CheckpointConfig,
+    CommsLoggerConfig,
+    FlopsProfilerConfig,
+    PipelineConfig,
+)
+from .schema_optim import (
+    DEEPSPEED_OPTIMIZERS,
+    DEEPSPEED_SCHEDULERS,
+    OptimizerConfig,
+    SchedulerConfig,
+)
+from .schema_precision import BF16Config, DataTypesConfig, FP16Config
+from .schema_zero import AioConfig, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 from .values import AUTO, Auto, DType, FrozenDict, OffloadDevice
 
 __all__ = [
     "AUTO",
+    "ActivationCheckpointingConfig",
+    "AioConfig",
     "Auto",
+    "BF16Config",
     "BatchSizes",
+    "CheckpointConfig",
+    "CommsLoggerConfig",
     "Config",
     "ConfigError",
     "ConfigSource",
     "DEEPSPEED_OPTIMIZERS",
     "DEEPSPEED_SCHEDULERS",
     "DType",
+    "DataTypesConfig",
+    "FP16Config",
+    "FlopsProfilerConfig",
     "FrozenDict",
     "OffloadDevice",
+    "OffloadOptimizerConfig",
+    "OffloadParamConfig",
+    "OptimizerConfig",
+    "PipelineConfig",
+    "SchedulerConfig",
+    "ZeroConfig",
     "check_implemented",
     "features_in_use",
     "load_config",
