@@ -209,3 +209,10 @@ def test_torch_lr_scheduler_class() -> None:
 def test_all_deepspeed_schedules_known() -> None:
     assert sorted(DEEPSPEED_SCHEDULERS) == ["LRRangeTest", "OneCycle", "WarmupCosineLR",
                                             "WarmupDecayLR", "WarmupLR"]
+
+
+def test_unknown_type_without_close_match_lists_choices() -> None:
+    (line,) = problems({"scheduler": {"type": "Zzzzz"}})
+    assert line.startswith('scheduler.type: "Zzzzz" is not a DeepSpeed LR schedule nor a torch '
+                           "class; expected one of ")
+    assert "WarmupLR" in line and "StepLR" in line

@@ -297,7 +297,11 @@ def _resolve_type(value: Any, deepspeed: Mapping[str, str], torch_names: Callabl
     candidates = list(deepspeed.values()) + torch_names()
     if name in candidates:
         return name
-    hint = unknown_key_message(name, candidates).replace("unknown key; ", "")
+    hint = unknown_key_message(name, candidates)
+    if "did you mean" in hint:
+        hint = hint.replace("unknown key; ", "")
+    else:
+        hint = "expected one of " + ", ".join(sorted(candidates))
     fail(f"{show(name)} is not a DeepSpeed {what} nor a torch class; {hint}")
 
 
