@@ -106,3 +106,22 @@ def test_elasticity_is_a_feature_and_skips_batch_arithmetic() -> None:
     assert cfg.features_in_use() == ("elasticity",)
     with pytest.raises(NotImplementedError, match=r": elasticity$"):
         cfg.check_implemented(frozenset())
+
+
+def test_stage_specific_zero_knobs_only_count_at_their_stage() -> None:
+    # HF-style stage-2 configs often carry stage-3 keys; DeepSpeed ignores them there.
+    assert features({"zero_optimization": {
+        "stage": 2, "stage3_gather_16bit_weights_on_model_save": True,
+        "zero_quantized_weights": True, "round_robin_gradients": True}}) == (
+        "zero_optimization.stage=2", "zero_optimization.round_robin_gradients")
+    assert features({"zero_optimization": {
+        "stage": 3, "stage3_gather_16bit_weights_on_model_save": True,
+        "zero_quantized_weights": True, "round_robin_gradients": True,
+        "zero_hpz_partition_size": 8}}) == (
+        "zero_optimization.stage=3", "zero_optimization.zero_quantized_weights",
+        "zero_optimization.zero_hpz_partition_size",
+        "zero_optimization.stage3_gather_16bit_weights_on_model_save")
+    # Optimizer offload is reported at every stage (DeepSpeed builds a CPU optimizer even
+    # at stage 0), so an engine without it refuses instead of silently not offloading.
+    assert features({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}
+                    ) == ("zero_optimization.offload_optimizer.device=cpu",)

@@ -34,7 +34,10 @@ def _flags(prefix: str, section: Any, names: Iterable[str]) -> list[str]:
 
 
 def _zero_features(cfg: Config) -> list[str]:
+    """ZeRO requests; knobs DeepSpeed only reads at some stages are listed only there."""
     zero = cfg.zero_optimization
+    stage3 = zero.stage in (3, AUTO)
+    stage12 = zero.stage in (1, 2, AUTO)
     out: list[str] = []
     if zero.stage != 0:
         out.append(f"zero_optimization.stage={_value(zero.stage)}")
@@ -45,24 +48,28 @@ def _zero_features(cfg: Config) -> list[str]:
                       ("pipeline_read", "pipeline_write", "fast_init", "super_offload"))
         if opt.ratio < 1.0:
             out.append("zero_optimization.offload_optimizer.ratio")
-    if par.device != OffloadDevice.NONE and zero.stage in (3, AUTO):
+    if par.device != OffloadDevice.NONE and stage3:
         out.append(f"zero_optimization.offload_param.device={_value(par.device)}")
-    out += _flags("zero_optimization", zero, (
-        "zero_quantized_weights", "zero_quantized_nontrainable_weights",
-        "zero_quantized_gradients", "round_robin_gradients", "elastic_checkpoint",
-        "legacy_stage1", "mics_hierarchical_params_gather", "use_all_reduce_for_fetch_params",
-        "allgather_sequential", "pipeline_loading_checkpoint"))
-    if zero.zero_hpz_partition_size > 1:
-        out.append("zero_optimization.zero_hpz_partition_size")
-    if zero.mics_shard_size > 0:
-        out.append("zero_optimization.mics_shard_size")
-    if zero.partition_stream_chunk_size > 0:
-        out.append("zero_optimization.stage3_partition_stream_chunk_size")
+    if stage12:
+        out += _flags("zero_optimization", zero, ("round_robin_gradients",))
+    if stage3:
+        out += _flags("zero_optimization", zero, (
+            "zero_quantized_weights", "zero_quantized_nontrainable_weights",
+            "zero_quantized_gradients", "mics_hierarchical_params_gather",
+            "use_all_reduce_for_fetch_params", "allgather_sequential",
+            "pipeline_loading_checkpoint"))
+        if zero.zero_hpz_partition_size > 1:
+            out.append("zero_optimization.zero_hpz_partition_size")
+        if zero.mics_shard_size > 0:
+            out.append("zero_optimization.mics_shard_size")
+        if zero.partition_stream_chunk_size > 0:
+            out.append("zero_optimization.stage3_partition_stream_chunk_size")
+        if zero.gather_16bit_weights_on_model_save is not False:
+            out.append("zero_optimization.stage3_gather_16bit_weights_on_model_save")
+    out += _flags("zero_optimization", zero, ("elastic_checkpoint", "legacy_stage1"))
     for name in ("zenflow", "zeropp_loco_param", "leaf_module"):
         if getattr(zero, name) is not None:
             out.append(f"zero_optimization.{name}")
-    if zero.gather_16bit_weights_on_model_save is not False:
-        out.append("zero_optimization.stage3_gather_16bit_weights_on_model_save")
     return out
 
 
