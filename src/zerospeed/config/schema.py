@@ -73,9 +73,11 @@ _BATCH = Annotated[int | Auto | None, zint(ge=1, auto=True, nullable=True)]
 
 
 def _steps_per_print(value: Any) -> int | None:
+    """accelerate writes ``float("inf")`` to mean "never print", which is DeepSpeed's ``None``."""
     if isinstance(value, float) and value == float("inf"):
         return None
     return check_int(value, ge=1)
+
 
 _ONEBIT = ("OneBitAdam", "ZeroOneAdam", "OneBitLamb")
 
