@@ -1,0 +1,29 @@
+# zerospeed developer commands. `make demo` and `make test` each work alone on a fresh machine.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# Installed before the package so pip never resolves torch from a range (a multi-GB CUDA build).
+TORCH_SPEC ?= torch==2.13.0
+STAMP  := $(VENV)/.zerospeed-installed
+
+.PHONY: install demo test bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+demo: install
+	$(BIN)/zerospeed --num_procs 2 examples/demo.py
+
+test: install
+	$(BIN)/python -m pytest -q
+
+bench: install
+	$(BIN)/python benchmarks/bench_comm.py
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache
