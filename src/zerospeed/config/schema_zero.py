@@ -38,18 +38,15 @@ from .values import (
 _E9 = 1_000_000_000
 
 
-class OffloadParamConfig(Section):
-    """``zero_optimization.offload_param``: where stage-3 parameters live between uses."""
+class _OffloadSection(Section):
+    """What both offload sections share: the device, its NVMe path, pinning and buffers."""
 
     device: Annotated[OffloadDevice | Auto, zenum(OffloadDevice, auto=True)] = OffloadDevice.NONE
     nvme_path: Annotated[pathlib.Path | None, zpath(nullable=True)] = None
-    buffer_count: Annotated[int, zint(ge=0)] = 5
-    buffer_size: Annotated[int, zint(ge=0)] = 100_000_000
-    max_in_cpu: Annotated[int, zint(ge=0)] = _E9
     pin_memory: Annotated[bool, zbool()] = False
 
     @model_validator(mode="after")
-    def _nvme_needs_path(self) -> OffloadParamConfig:
+    def _nvme_needs_path(self) -> _OffloadSection:
         if self.device == OffloadDevice.NVME and self.nvme_path is None:
             fail('required when device is "nvme"', ("nvme_path",))
         return self
@@ -59,13 +56,18 @@ class OffloadParamConfig(Section):
         return self.device not in (OffloadDevice.NONE,)
 
 
-class OffloadOptimizerConfig(Section):
+class OffloadParamConfig(_OffloadSection):
+    """``zero_optimization.offload_param``: where stage-3 parameters live between uses."""
+
+    buffer_count: Annotated[int, zint(ge=0)] = 5
+    buffer_size: Annotated[int, zint(ge=0)] = 100_000_000
+    max_in_cpu: Annotated[int, zint(ge=0)] = _E9
+
+
+class OffloadOptimizerConfig(_OffloadSection):
     """``zero_optimization.offload_optimizer``: where optimizer state lives and steps."""
 
-    device: Annotated[OffloadDevice | Auto, zenum(OffloadDevice, auto=True)] = OffloadDevice.NONE
-    nvme_path: Annotated[pathlib.Path | None, zpath(nullable=True)] = None
     buffer_count: Annotated[int, zint(ge=0)] = 4
-    pin_memory: Annotated[bool, zbool()] = False
     pipeline_read: Annotated[bool, zbool()] = False
     pipeline_write: Annotated[bool, zbool()] = False
     fast_init: Annotated[bool, zbool()] = False
@@ -73,16 +75,6 @@ class OffloadOptimizerConfig(Section):
     super_offload: Annotated[bool, zbool()] = False
     convert_grad_on_cpu: Annotated[bool, zbool()] = True
     cpuadam_cores_perc: Annotated[float, zfloat(ge=0, le=1)] = 0.8
-
-    @model_validator(mode="after")
-    def _nvme_needs_path(self) -> OffloadOptimizerConfig:
-        if self.device == OffloadDevice.NVME and self.nvme_path is None:
-            fail('required when device is "nvme"', ("nvme_path",))
-        return self
-
-    @property
-    def enabled(self) -> bool:
-        return self.device not in (OffloadDevice.NONE,)
 
     @property
     def pipeline(self) -> bool:
