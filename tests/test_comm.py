@@ -127,6 +127,8 @@ def _misuse() -> str:
         lambda: comm.all_gather([torch.empty(1)], torch.empty(1)),
         lambda: comm.broadcast(torch.empty(1), src=5),
         lambda: comm.all_reduce(torch.ones(2, dtype=torch.int64), op="avg"),
+        lambda: comm.reduce_scatter(torch.empty(1, dtype=torch.int32), torch.ones(2, dtype=torch.int32), op="avg"),
+        lambda: comm.reduce_scatter(torch.empty(2), [torch.empty(1), torch.empty(3)]),
     ):
         try:
             call()
@@ -142,6 +144,9 @@ def test_misuse_is_caught_before_the_network() -> None:
     assert "all_gather: got 1 tensors for a group of 2 ranks" in text
     assert "rank 5 is outside group 'world' of size 2" in text
     assert "op='avg' needs a floating-point tensor, got torch.int64" in text
+    assert "op='avg' needs a floating-point tensor, got torch.int32" in text
+    assert ("reduce_scatter: output has 2 elements but part 0 has 1" in text
+            or "reduce_scatter: output has 2 elements but part 1 has 3" in text)
 
 
 def _one_rank_absent() -> str:

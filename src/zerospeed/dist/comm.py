@@ -204,14 +204,10 @@ class Comm:
         ``inputs`` is either one tensor of ``world_size * output.numel()`` elements, or a list with
         one tensor per rank whose sizes may differ (every rank passes the same sizes).
         """
-        parts = self._split_even(inputs, output.numel()) if isinstance(inputs, torch.Tensor) else list(inputs)
-        self._check_parts("reduce_scatter", parts)
-        if parts[self.rank].numel() != output.numel():
-            raise ValueError(f"reduce_scatter: output has {output.numel()} elements but part {self.rank} has "
-                             f"{parts[self.rank].numel()}")
+        parts, width, even = self._rank_parts("reduce_scatter", inputs, output, "output")
+        if op == "avg":
+            self._averager(output, op)  # validates the dtype before any rank enters the collective
         seq = self._enter("reduce_scatter", _nbytes(parts))
-        width = max(p.numel() for p in parts)
-        even = all(p.numel() == width for p in parts)
         if even and isinstance(inputs, torch.Tensor) and inputs.is_contiguous() and output.is_contiguous():
             send, recv = inputs.reshape(-1), output.reshape(-1)
         else:
@@ -236,14 +232,8 @@ class Comm:
         ``outputs`` is one tensor of ``world_size * input.numel()`` elements, or a list with one
         tensor per rank whose sizes may differ (every rank passes the same sizes).
         """
-        parts = self._split_even(outputs, input.numel()) if isinstance(outputs, torch.Tensor) else list(outputs)
-        self._check_parts("all_gather", parts)
-        if parts[self.rank].numel() != input.numel():
-            raise ValueError(f"all_gather: input has {input.numel()} elements but output part {self.rank} has "
-                             f"{parts[self.rank].numel()}")
+        parts, width, even = self._rank_parts("all_gather", outputs, input, "input")
         seq = self._enter("all_gather", _nbytes(parts))
-        width = max(p.numel() for p in parts)
-        even = all(p.numel() == width for p in parts)
         if even and isinstance(outputs, torch.Tensor) and outputs.is_contiguous():
             send, recv = input.contiguous().reshape(-1), outputs.reshape(-1)
         else:
@@ -327,6 +317,20 @@ class Comm:
         if not tensor.is_floating_point():
             raise TypeError(f"op='avg' needs a floating-point tensor, got {tensor.dtype}")
         return lambda: tensor.div_(self.world_size)
+
+    def _rank_parts(self, what: str, full: torch.Tensor | Sequence[torch.Tensor], local: torch.Tensor,
+                    local_name: str) -> tuple[list[torch.Tensor], int, bool]:
+        """Per-rank views of ``full`` (one flat tensor or a list), checked against this rank's ``local``.
+
+        Returns the parts, the widest part's size and whether all parts are that size.
+        """
+        parts = self._split_even(full, local.numel()) if isinstance(full, torch.Tensor) else list(full)
+        self._check_parts(what, parts)
+        if parts[self.rank].numel() != local.numel():
+            raise ValueError(f"{what}: {local_name} has {local.numel()} elements but part {self.rank} has "
+                             f"{parts[self.rank].numel()}")
+        width = max(p.numel() for p in parts)
+        return parts, width, all(p.numel() == width for p in parts)
 
     def _split_even(self, flat: torch.Tensor, width: int) -> list[torch.Tensor]:
         if flat.numel() != width * self.world_size:
