@@ -123,7 +123,7 @@ def _collect(procs: list, conns: dict, world_size: int, timeout: float) -> list[
             reports[rank] = report
             if report.status == "error":
                 raise RankFailed(f"rank {rank} of {world_size} failed:\n{report.payload}")
-    skips = [r for r in reports.values() if r.status == "skip"]
+    skips = [reports[rank] for rank in sorted(reports) if reports[rank].status == "skip"]
     if skips:
         import pytest
 
