@@ -93,20 +93,41 @@ def _collectives() -> dict:
         torch.testing.assert_close(outputs[p], _fill(p, rank, p + rank + 1), rtol=0, atol=0)
     add("all_to_all", sum(rank + p + 1 for p in range(ws)) * 4)
 
-    # async handles complete and post-process only on wait()
+    # async handles: is_completed() only says True once post-processing (averaging, unpadding) is done
     t = torch.ones(4)
     h = comm.all_reduce(t, op="avg", async_op=True)
-    h.wait()
+    while not h.is_completed():
+        time.sleep(0.001)
+    assert t.tolist() == [1.0] * 4
     h.wait()  # idempotent
-    assert t.tolist() == [1.0] * 4 and h.is_completed()
+    assert t.tolist() == [1.0] * 4
     add("all_reduce", 16)
+    outs = [torch.zeros(sizes[r]) for r in range(ws)]
+    h = comm.all_gather(outs, _fill(rank, 2, sizes[rank]), async_op=True)
+    while not h.is_completed():
+        time.sleep(0.001)
+    for r in range(ws):
+        torch.testing.assert_close(outs[r], _fill(r, 2, sizes[r]), rtol=0, atol=0)
+    add("all_gather", sum(sizes) * 4)
+
+    # a zero-size part is fine
+    zero_sizes = [0] + [2] * (ws - 1)
+    outs = [torch.empty(n) for n in zero_sizes]
+    comm.all_gather(outs, torch.full((zero_sizes[rank],), float(rank)))
+    assert [o.tolist() for o in outs] == [[float(r)] * n for r, n in enumerate(zero_sizes)]
+    add("all_gather", sum(zero_sizes) * 4)
+
+    # small python objects, over the same all_gather
+    assert comm.all_gather_object({"rank": rank, "tag": "x" * rank}) == [{"rank": r, "tag": "x" * r} for r in range(ws)]
+    comm.stats.bytes["all_gather"] -= 8 * ws + sum(len(__import__("pickle").dumps({"rank": r, "tag": "x" * r})) for r in range(ws))
+    comm.stats.calls["all_gather"] -= 2
 
     comm.barrier()
     add("barrier", 0)
     assert dict(comm.stats.bytes) == expected_bytes, (dict(comm.stats.bytes), expected_bytes)
     assert comm.stats.total_bytes == sum(expected_bytes.values())
     assert comm.stats.calls["all_reduce"] == 4 and comm.stats.calls["reduce_scatter"] == 2
-    assert comm.stats.calls["all_gather"] == 2 and comm.stats.calls["barrier"] == 1
+    assert comm.stats.calls["all_gather"] == 4 and comm.stats.calls["barrier"] == 1
     return {"rank": rank, "bytes": dict(comm.stats.bytes), "calls": comm.stats.total_calls}
 
 
@@ -129,12 +150,14 @@ def _misuse() -> str:
         lambda: comm.all_reduce(torch.ones(2, dtype=torch.int64), op="avg"),
         lambda: comm.reduce_scatter(torch.empty(1, dtype=torch.int32), torch.ones(2, dtype=torch.int32), op="avg"),
         lambda: comm.reduce_scatter(torch.empty(2), [torch.empty(1), torch.empty(3)]),
+        lambda: comm.all_reduce(torch.ones(2), op="mean"),  # type: ignore[arg-type]
     ):
         try:
             call()
         except (ValueError, TypeError) as exc:
             messages.append(str(exc))
-    comm.barrier()  # misuse was caught before any rank entered a collective: still in step
+    assert comm.stats.total_calls == 0  # every misuse was caught before the network
+    comm.barrier()
     return "\n".join(messages)
 
 
@@ -145,6 +168,7 @@ def test_misuse_is_caught_before_the_network() -> None:
     assert "rank 5 is outside group 'world' of size 2" in text
     assert "op='avg' needs a floating-point tensor, got torch.int64" in text
     assert "op='avg' needs a floating-point tensor, got torch.int32" in text
+    assert "op='mean' is not a reduction; expected one of sum, avg, max, min, product" in text
     assert ("reduce_scatter: output has 2 elements but part 0 has 1" in text
             or "reduce_scatter: output has 2 elements but part 1 has 3" in text)
 
@@ -205,3 +229,71 @@ def test_timeout_tells_where_a_stuck_rank_waits() -> None:
     for message in messages[:2]:
         assert "all_reduce (call #1 on group 'world', ranks [0, 1, 2]) did not complete within 3s" in message
         assert "ranks that did not arrive: [2] (rank 2 last seen waiting in #1 broadcast)" in message
+
+
+def _short_timeout(which: str) -> str:
+    """One timed-out call per run: after a timeout gloo closes the pair, so the group is spent."""
+    import datetime
+
+    comm = Comm(timeout=datetime.timedelta(seconds=0.3 if which == "all_reduce" else 1))
+    if comm.rank == 1:
+        time.sleep(5)
+        return ""
+    start = time.monotonic()
+    try:
+        if which == "all_reduce":
+            comm.all_reduce(torch.ones(1))
+        else:
+            comm.recv(torch.empty(1), src=1)
+    except CollectiveTimeout as exc:
+        return f"{time.monotonic() - start:.1f}|{exc}"
+    return "0|no timeout"
+
+
+def test_a_timeout_shorter_than_the_patience_still_fires() -> None:
+    elapsed, message = run_distributed(_short_timeout, 2, "all_reduce", timeout=60)[0].split("|", 1)
+    assert float(elapsed) < 2.0
+    assert message.startswith("all_reduce (call #1 on group 'world', ranks [0, 1]) did not complete within 0.3s")
+
+
+def test_point_to_point_timeout_names_the_peer() -> None:
+    elapsed, message = run_distributed(_short_timeout, 2, "recv", timeout=60)[0].split("|", 1)
+    assert float(elapsed) < 4.0
+    assert message.startswith("recv from rank 1 (point-to-point on group 'world', ranks [0, 1]) "
+                              "did not complete within 1s")
+
+
+def _comm_outlives_its_group() -> str:
+    from zerospeed.dist import shutdown_distributed
+
+    comm = Comm()
+    shutdown_distributed()
+    try:
+        comm.barrier()
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_comm_does_not_keep_a_destroyed_group_alive() -> None:
+    assert run_distributed(_comm_outlives_its_group, 2)[0] == (
+        "the process group of Comm 'world' was destroyed; build a new Comm after init_distributed()")
+
+
+def _slow_sender() -> list[float]:
+    comm = Comm()
+    box = torch.zeros(3)
+    if comm.rank == 0:
+        time.sleep(1.5)  # longer than the 0.5 s patience of collectives
+        comm.send(torch.tensor([1.0, 2.0, 3.0]), dst=1)
+    else:
+        comm.recv(box, src=0)
+    all_ = torch.full((1,), float(comm.rank))
+    if comm.rank == 0:
+        time.sleep(1.5)
+    comm.all_reduce(all_)  # rank 1 waits past the patience, announces itself, then completes normally
+    return box.tolist() + all_.tolist()
+
+
+def test_slow_peers_are_not_mistaken_for_timeouts() -> None:
+    assert run_distributed(_slow_sender, 2)[1] == [1.0, 2.0, 3.0, 1.0]

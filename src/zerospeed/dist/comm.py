@@ -17,8 +17,11 @@ is not counted. The ZeRO paper's volumes follow from these by the usual factors.
 from __future__ import annotations
 
 import datetime
+import pickle
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Callable, Literal, Sequence
 
 import torch
@@ -28,13 +31,13 @@ ReduceOpName = Literal["sum", "avg", "max", "min", "product"]
 DEFAULT_COMM_TIMEOUT = datetime.timedelta(minutes=10)
 _PATIENCE = datetime.timedelta(seconds=0.5)  # how long a wait stays silent before announcing itself
 
-_NATIVE_OPS = {
+_NATIVE_OPS = MappingProxyType({
     "sum": dist.ReduceOp.SUM,
     "avg": dist.ReduceOp.SUM,  # divided afterwards: gloo has no AVG on older torch
     "max": dist.ReduceOp.MAX,
     "min": dist.ReduceOp.MIN,
     "product": dist.ReduceOp.PRODUCT,
-}
+})
 
 
 class CollectiveError(RuntimeError):
@@ -76,7 +79,7 @@ def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
 class Handle:
     """An in-flight collective. ``wait()`` applies the timeout, then finishes any post-processing."""
 
-    def __init__(self, comm: "Comm", op: str, seq: int, work: Any, finish: Callable[[], None] | None):
+    def __init__(self, comm: "Comm", op: str, seq: int | None, work: Any, finish: Callable[[], None] | None):
         self._comm, self._op, self._seq, self._work, self._finish = comm, op, seq, work, finish
         self._done = False
 
@@ -89,7 +92,10 @@ class Handle:
         self._done = True
 
     def is_completed(self) -> bool:
-        return self._done or bool(self._work.is_completed())
+        """True once the result is in place (post-processing included), without blocking."""
+        if not self._done and self._work.is_completed():
+            self.wait()
+        return self._done
 
 
 class Comm:
@@ -111,18 +117,34 @@ class Comm:
             raise RuntimeError(
                 "torch.distributed is not initialized; call zerospeed.init_distributed() first"
             )
-        self.group = group if group is not None else dist.group.WORLD
+        group = group if group is not None else dist.group.WORLD
+        # Held weakly: a Comm kept alive until interpreter teardown (a module-level engine, say)
+        # must not keep a destroyed gloo group alive, or its threads abort the process at exit.
+        self._group_ref = weakref.ref(group)
         self.name = name
         self.timeout = timeout
-        self.rank = dist.get_rank(self.group)
-        self.world_size = dist.get_world_size(self.group)
-        self.global_ranks = tuple(dist.get_process_group_ranks(self.group))
-        self._backend = dist.get_backend(self.group)
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.global_ranks = tuple(dist.get_process_group_ranks(group))
+        self._backend = dist.get_backend(group)
         self.stats = CommStats()
         self._seq = 0
         self._store = (store or _default_store()) if track_arrivals else None
         self._reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        group = self._group_ref()
+        if group is None:
+            raise RuntimeError(f"the process group of Comm '{self.name}' was destroyed; "
+                               f"build a new Comm after init_distributed()")
+        return group
+
+    def _scratch(self, *shape: int) -> torch.Tensor:
+        """A tiny tensor on the device this group's backend talks from (CPU for gloo)."""
+        device = torch.device("cuda", torch.cuda.current_device()) if self._backend == "nccl" else torch.device("cpu")
+        return torch.zeros(*shape, device=device)
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def _key(self, global_rank: int) -> str:
@@ -133,25 +155,34 @@ class Comm:
         self.stats.record(op, nbytes)
         return self._seq
 
-    def wait_work(self, work: Any, op: str, seq: int) -> None:
+    def wait_work(self, work: Any, op: str, seq: int | None) -> None:
         """Wait for ``work``; after a short patience announce where this rank is, then wait out the timeout."""
         if self._backend == "nccl":  # NCCL's own watchdog owns timeouts; a timed-out wait would abort it
             work.wait()
+            return
+        if seq is None:  # point-to-point: gloo closes the pair when a timed wait expires, so wait once
+            try:
+                work.wait(timeout=self.timeout)
+            except Exception as exc:
+                raise self.timeout_error(op, seq, exc) from exc
             return
         patience = min(self.timeout, _PATIENCE)
         try:
             work.wait(timeout=patience)
             return
-        except Exception:
-            pass  # still running (or failed: the second wait re-raises at once)
-        if self._store is not None:
+        except Exception as exc:  # still running, or failed (then the second wait re-raises at once)
+            first_error = exc
+        if self._store is not None and seq is not None:
             self._store.set(self._key(self.global_ranks[self.rank]), f"{seq} {op}")
+        remaining = self.timeout - patience
+        if remaining <= datetime.timedelta(0):  # c10d reads a zero timeout as "wait forever"
+            raise self.timeout_error(op, seq, first_error) from first_error
         try:
-            work.wait(timeout=self.timeout - patience)
+            work.wait(timeout=remaining)
         except Exception as exc:
             raise self.timeout_error(op, seq, exc) from exc
 
-    def _run(self, op: str, seq: int, work: Any, async_op: bool,
+    def _run(self, op: str, seq: int | None, work: Any, async_op: bool,
              finish: Callable[[], None] | None = None) -> Handle | None:
         handle = Handle(self, op, seq, work, finish)
         if async_op:
@@ -159,26 +190,35 @@ class Comm:
         handle.wait()
         return None
 
-    def timeout_error(self, op: str, seq: int, cause: BaseException) -> CollectiveError:
-        """Build the error for a failed wait, asking the store where every other rank was waiting."""
-        timed_out = "timed out" in str(cause).lower()
+    def timeout_error(self, op: str, seq: int | None, cause: BaseException) -> CollectiveError:
+        """Build the error for a failed wait, asking the store where every other rank was waiting.
+
+        ``seq`` is None for point-to-point calls, whose peers are not all ranks of the group.
+        """
+        timed_out = any(word in str(cause).lower() for word in ("timed out", "timeout"))
         kind = CollectiveTimeout if timed_out else CollectiveError
         what = f"did not complete within {self.timeout.total_seconds():g}s" if timed_out else "failed"
-        head = f"{op} (call #{seq} on group '{self.name}', ranks {list(self.global_ranks)}) {what}"
-        if self._store is None:
+        call = f"call #{seq} on" if seq is not None else "point-to-point on"
+        head = f"{op} ({call} group '{self.name}', ranks {list(self.global_ranks)}) {what}"
+        if self._store is None or seq is None:
             return kind(f"{head}: {cause}")
+        me = self.global_ranks[self.rank]
         missing, notes = [], []
-        for global_rank in self.global_ranks:
-            key = self._key(global_rank)
-            try:
+        try:
+            for global_rank in self.global_ranks:
+                key = self._key(global_rank)
+                if global_rank == me:
+                    continue
                 entry = self._store.get(key).decode() if self._store.check([key]) else "0 -"
-            except Exception:  # the store itself may be gone when the job is dying
-                entry = "0 -"
-            their_seq, their_op = entry.split(" ", 1)
-            if int(their_seq) < seq or (int(their_seq) == seq and their_op != op):  # behind, or elsewhere
-                missing.append(global_rank)
-                notes.append(f"rank {global_rank} last seen waiting in #{their_seq} {their_op}"
-                             if int(their_seq) else f"rank {global_rank} not waiting in any collective: busy or dead")
+                their_seq, their_op = entry.split(" ", 1)
+                if int(their_seq) < seq or (int(their_seq) == seq and their_op != op):  # behind, or elsewhere
+                    missing.append(global_rank)
+                    notes.append(f"rank {global_rank} last seen waiting in #{their_seq} {their_op}"
+                                 if int(their_seq) else f"rank {global_rank} not waiting in any collective: busy or dead")
+        except Exception as store_error:  # the store's host may be the rank that died
+            first_line = str(store_error).splitlines()[0] if str(store_error) else type(store_error).__name__
+            return kind(f"{head}; where the other ranks are is unknown (store unreachable: {first_line}). "
+                        f"Cause: {cause}")
         return kind(
             f"{head}; ranks that did not arrive: {missing} ({'; '.join(notes) or 'all arrived'}). "
             f"Every rank must call the same collectives in the same order. Cause: {cause}"
@@ -193,9 +233,10 @@ class Comm:
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOpName = "sum",
                    async_op: bool = False) -> Handle | None:
         """Reduce ``tensor`` in place across the group."""
+        finish = self._averager(tensor, op)  # validates op and dtype before any rank enters
         seq = self._enter("all_reduce", _nbytes([tensor]))
         work = dist.all_reduce(tensor, op=_NATIVE_OPS[op], group=self.group, async_op=True)
-        return self._run("all_reduce", seq, work, async_op, self._averager(tensor, op))
+        return self._run("all_reduce", seq, work, async_op, finish)
 
     def reduce_scatter(self, output: torch.Tensor, inputs: torch.Tensor | Sequence[torch.Tensor],
                        op: ReduceOpName = "sum", async_op: bool = False) -> Handle | None:
@@ -205,8 +246,7 @@ class Comm:
         one tensor per rank whose sizes may differ (every rank passes the same sizes).
         """
         parts, width, even = self._rank_parts("reduce_scatter", inputs, output, "output")
-        if op == "avg":
-            self._averager(output, op)  # validates the dtype before any rank enters the collective
+        self._averager(output, op)  # validates op and dtype before any rank enters the collective
         seq = self._enter("reduce_scatter", _nbytes(parts))
         if even and isinstance(inputs, torch.Tensor) and inputs.is_contiguous() and output.is_contiguous():
             send, recv = inputs.reshape(-1), output.reshape(-1)
@@ -261,13 +301,13 @@ class Comm:
         """Point-to-point send to group rank ``dst`` (not tracked as an arrival: peers differ)."""
         self.stats.record("send", _nbytes([tensor]))
         work = dist.isend(tensor.contiguous(), dst=self._global(dst), group=self.group)
-        return self._run("send", self._seq, work, async_op)
+        return self._run(f"send to rank {dst}", None, work, async_op)
 
     def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Handle | None:
         """Point-to-point receive from group rank ``src`` into ``tensor``."""
         self.stats.record("recv", _nbytes([tensor]))
         work = dist.irecv(tensor, src=self._global(src), group=self.group)
-        return self._run("recv", self._seq, work, async_op)
+        return self._run(f"recv from rank {src}", None, work, async_op)
 
     def all_to_all(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
                    async_op: bool = False) -> Handle | None:
@@ -295,23 +335,26 @@ class Comm:
 
     def barrier(self) -> None:
         """Wait until every rank of the group gets here (an all_reduce of one element, so it times out)."""
-        flag = torch.zeros(1)
         seq = self._enter("barrier", 0)
-        work = dist.all_reduce(flag, group=self.group, async_op=True)
+        work = dist.all_reduce(self._scratch(1), group=self.group, async_op=True)
         self._run("barrier", seq, work, async_op=False)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        """Gather a small picklable object from every rank (for checks, not for tensors)."""
-        seq = self._enter("all_gather_object", 0)
-        out: list[Any] = [None] * self.world_size
-        try:
-            dist.all_gather_object(out, obj, group=self.group)
-        except Exception as exc:
-            raise self.timeout_error("all_gather_object", seq, exc) from exc
-        return out
+        """Gather a small picklable object from every rank (for checks, not for tensors).
+
+        Built on this Comm's own all_gather, so it honours the timeout and its diagnostics.
+        """
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = self._scratch(self.world_size).long()
+        self.all_gather(sizes, self._scratch(1).long().fill_(payload.numel()))
+        buffers = [torch.empty(int(n), dtype=torch.uint8, device=sizes.device) for n in sizes.tolist()]
+        self.all_gather(buffers, payload.to(sizes.device))
+        return [pickle.loads(b.cpu().numpy().tobytes()) for b in buffers]
 
     # -- helpers -------------------------------------------------------------------------------
     def _averager(self, tensor: torch.Tensor, op: ReduceOpName) -> Callable[[], None] | None:
+        if op not in _NATIVE_OPS:
+            raise ValueError(f"op={op!r} is not a reduction; expected one of {', '.join(_NATIVE_OPS)}")
         if op != "avg":
             return None
         if not tensor.is_floating_point():
