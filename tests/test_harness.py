@@ -32,11 +32,30 @@ def _hang_on_rank_two() -> None:
 
 def _abort_after_work() -> int:
     # Emulates torch+gloo's occasional "terminate called without an active exception" at exit:
-    # the work is done and reported; how the process dies afterwards must not matter.
-    import atexit
+    # the work is done and reported, then the process dies of SIGABRT while shutting down.
+    import zerospeed.dist.env
 
-    atexit.register(os.abort)
+    zerospeed.dist.env.shutdown_distributed = os.abort
     return dist.get_rank()
+
+
+def _skip_on_one_rank() -> None:
+    import torch
+
+    if dist.get_rank() == 1:
+        pytest.skip("rank 1 lacks the hardware")
+    dist.all_reduce(torch.ones(1))  # fails or hangs without rank 1; the skip must win
+
+
+def _sleeping_parent(marker: str) -> None:
+    """A test process that starts ranks which hang, then gets killed."""
+    run_distributed(_hang_writing_pid, 2, marker, timeout=300)
+
+
+def _hang_writing_pid(marker: str) -> None:
+    with open(f"{marker}.{dist.get_rank()}", "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(300)
 
 
 def test_results_come_back_in_rank_order_with_args() -> None:
@@ -58,11 +77,44 @@ def test_skip_inside_a_rank_skips_the_test() -> None:
         run_distributed(_skip_everywhere, 2)
 
 
-def test_a_hanging_rank_is_named_and_killed() -> None:
+def test_a_hanging_rank_is_named_with_its_stack_and_killed() -> None:
     start = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"ranks \[2\] of 3 did not finish within 8s \(finished: \[0, 1\]\)"):
+    with pytest.raises(TimeoutError, match=r"ranks \[2\] of 3 did not finish within 8s \(finished: \[0, 1\]\)") as info:
         run_distributed(_hang_on_rank_two, 3, timeout=8)
     assert time.monotonic() - start < 30
+    assert "--- rank 2 stack ---" in str(info.value)
+    assert "in _hang_on_rank_two" in str(info.value)
+
+
+def test_a_skip_on_one_rank_skips_even_if_the_others_fail() -> None:
+    with pytest.raises(pytest.skip.Exception, match="rank 1: rank 1 lacks the hardware"):
+        run_distributed(_skip_on_one_rank, 2, timeout=60)
+
+
+def test_ranks_die_with_the_test_process(tmp_path) -> None:
+    import multiprocessing as mp
+
+    marker = str(tmp_path / "pid")
+    parent = mp.get_context("spawn").Process(target=_sleeping_parent, args=(marker,))
+    parent.start()
+    deadline = time.monotonic() + 60
+    while not all(os.path.exists(f"{marker}.{r}") for r in range(2)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    pids = [int(open(f"{marker}.{r}").read()) for r in range(2)]
+    parent.kill()
+    parent.join()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+        time.sleep(0.2)
+    assert not any(_alive(pid) for pid in pids), f"orphaned ranks {pids}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_an_abort_after_reporting_does_not_fail_the_run() -> None:

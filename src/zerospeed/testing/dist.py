@@ -3,26 +3,34 @@
 The parent hosts the rendezvous store on a free port (no port races between concurrent tests),
 starts the ranks from a forkserver that has torch imported already (fast), and collects each
 rank's result over a pipe. A rank that raises stops the whole run at once and its traceback is
-re-raised in the parent; ``pytest.skip`` inside a rank skips the test; a rank that hangs past the
-timeout is killed and named. Ranks report *before* they exit and then leave with ``os._exit`` after
-destroying their process group, so torch's occasional abort at interpreter shutdown cannot turn a
-passing run into a failure.
+re-raised in the parent; ``pytest.skip`` inside any rank skips the test; a rank that hangs past
+the timeout has its Python stack dumped into the error, then is killed. Ranks report *before*
+they exit and then leave with ``os._exit`` after destroying their process group, so torch's
+occasional abort at interpreter shutdown cannot turn a passing run into a failure. Each rank
+also holds a lifeline pipe to the test process and exits if that process dies, so no rank is
+ever orphaned.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
+import signal
+import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 _HOST = "127.0.0.1"
+_STACK_DUMP_GRACE_S = 1.0
 
 
 class RankFailed(AssertionError):
@@ -36,18 +44,40 @@ class _Report:
     payload: Any
 
 
-def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, threads: int,
-               conn: mpc.Connection, args: tuple, kwargs: dict) -> None:
-    """Entry point of one rank (runs in the child)."""
-    from zerospeed.dist.env import init_distributed, shutdown_distributed
+@dataclass(frozen=True)
+class _RankSetup:
+    rank: int
+    world_size: int
+    port: int
+    threads: int
+    stack_file: str
 
+
+def _exit_when_parent_dies(lifeline: mpc.Connection) -> None:
+    """Block on the lifeline; EOF means the test process is gone, so this rank must go too."""
+    try:
+        lifeline.recv()
+    except (EOFError, OSError):
+        pass
+    os._exit(1)
+
+
+def _rank_main(fn: Callable[..., Any], setup: _RankSetup, conn: mpc.Connection, lifeline: mpc.Connection,
+               args: tuple, kwargs: dict) -> None:
+    """Entry point of one rank (runs in the child)."""
+    from zerospeed.dist import env as dist_env
+
+    threading.Thread(target=_exit_when_parent_dies, args=(lifeline,), daemon=True).start()
+    stack_file = open(setup.stack_file, "w")  # noqa: SIM115 - lives until os._exit
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    rank, world_size = setup.rank, setup.world_size
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=_HOST, MASTER_PORT=str(port))
-    torch.set_num_threads(threads)
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=_HOST, MASTER_PORT=str(setup.port))
+    torch.set_num_threads(setup.threads)
     report: _Report
     try:
-        store = dist.TCPStore(_HOST, port, world_size, is_master=False)
-        init_distributed(dist_backend="gloo", store=store)
+        store = dist.TCPStore(_HOST, setup.port, world_size, is_master=False)
+        dist_env.init_distributed(dist_backend="gloo", store=store)
         report = _Report(rank, "ok", fn(*args, **kwargs))
     except BaseException as exc:  # noqa: BLE001 - every outcome must reach the parent
         if type(exc).__name__ == "Skipped":  # pytest.skip, without importing pytest here
@@ -61,7 +91,7 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, th
     finally:
         conn.close()
         try:
-            shutdown_distributed()
+            dist_env.shutdown_distributed()  # looked up late so a test can make it misbehave
         finally:
             os._exit(0)
 
@@ -79,29 +109,34 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     ctx.set_forkserver_preload(["torch", "torch.distributed", "zerospeed.testing.dist"])
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
     store = dist.TCPStore(_HOST, 0, world_size, is_master=True, wait_for_workers=False)
-    procs, conns = [], {}
-    try:
-        for rank in range(world_size):
-            parent_end, child_end = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_rank_main, name=f"zerospeed-rank{rank}", daemon=True,
-                               args=(fn, rank, world_size, store.port, threads, child_end, args, kwargs))
-            proc.start()
-            child_end.close()
-            procs.append(proc)
-            conns[parent_end] = rank
-        return _collect(procs, conns, world_size, timeout)
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-        for proc in procs:
-            proc.join(timeout=10)
-        for conn in conns:
-            conn.close()
-        del store
+    procs, conns, lifelines = [], {}, []
+    with tempfile.TemporaryDirectory(prefix="zerospeed-ranks-") as stacks:
+        try:
+            for rank in range(world_size):
+                parent_end, child_end = ctx.Pipe(duplex=False)
+                life_read, life_write = ctx.Pipe(duplex=False)
+                setup = _RankSetup(rank, world_size, store.port, threads, str(Path(stacks) / f"rank{rank}.txt"))
+                proc = ctx.Process(target=_rank_main, name=f"zerospeed-rank{rank}", daemon=True,
+                                   args=(fn, setup, child_end, life_read, args, kwargs))
+                proc.start()
+                child_end.close()
+                life_read.close()
+                procs.append(proc)
+                conns[parent_end] = rank
+                lifelines.append(life_write)
+            return _collect(procs, conns, world_size, timeout, Path(stacks))
+        finally:
+            for proc in procs:
+                if proc.is_alive():
+                    proc.kill()
+            for proc in procs:
+                proc.join(timeout=10)
+            for conn in [*conns, *lifelines]:
+                conn.close()
+            del store
 
 
-def _collect(procs: list, conns: dict, world_size: int, timeout: float) -> list[Any]:
+def _collect(procs: list, conns: dict, world_size: int, timeout: float, stacks: Path) -> list[Any]:
     deadline = time.monotonic() + timeout
     reports: dict[int, _Report] = {}
     pending = dict(conns)
@@ -110,22 +145,32 @@ def _collect(procs: list, conns: dict, world_size: int, timeout: float) -> list[
         if left <= 0:
             missing = sorted(pending.values())
             raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout:g}s "
-                               f"(finished: {sorted(reports)})")
+                               f"(finished: {sorted(reports)}){_stack_dumps(procs, missing, stacks)}")
         for conn in mpc.wait(list(pending), timeout=min(left, 0.5)):
             rank = pending.pop(conn)
             try:
                 report = conn.recv()
             except EOFError:
-                code = procs[rank].exitcode
                 procs[rank].join(timeout=5)
-                code = procs[rank].exitcode if code is None else code
-                raise RankFailed(f"rank {rank} died without reporting (exit code {code})") from None
+                raise RankFailed(f"rank {rank} died without reporting (exit code {procs[rank].exitcode})") from None
             reports[rank] = report
             if report.status == "error":
                 raise RankFailed(f"rank {rank} of {world_size} failed:\n{report.payload}")
-    skips = [reports[rank] for rank in sorted(reports) if reports[rank].status == "skip"]
-    if skips:
-        import pytest
+            if report.status == "skip":  # the others may now fail or hang for want of this rank
+                import pytest
 
-        pytest.skip(f"rank {skips[0].rank}: {skips[0].payload}")
+                pytest.skip(f"rank {rank}: {report.payload}")
     return [reports[rank].payload for rank in range(world_size)]
+
+
+def _stack_dumps(procs: list, ranks: list[int], stacks: Path) -> str:
+    """Ask hung ranks for their Python stacks (faulthandler on SIGUSR1) and return them as text."""
+    for rank in ranks:
+        if procs[rank].is_alive():
+            os.kill(procs[rank].pid, signal.SIGUSR1)
+    time.sleep(_STACK_DUMP_GRACE_S)
+    parts = []
+    for rank in ranks:
+        text = (stacks / f"rank{rank}.txt").read_text(errors="replace").strip()
+        parts.append(f"\n--- rank {rank} stack ---\n{text or '(no stack dump)'}")
+    return "".join(parts)
