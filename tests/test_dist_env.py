@@ -19,9 +19,24 @@ def test_torchrun_variables() -> None:
 
 
 def test_slurm_variables() -> None:
-    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
-           "SLURM_NTASKS_PER_NODE": "4(x2)", "SLURM_JOB_NODELIST": "gpu[07-08]"}
+    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+           "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_JOB_NODELIST": "gpu[07-08]"}
     assert discover(env) == DistEnv(5, 8, 1, 4, "gpu07", 29500, "slurm")
+
+
+def test_slurm_uneven_tasks_per_node() -> None:
+    env = {"SLURM_PROCID": "8", "SLURM_NTASKS": "10", "SLURM_LOCALID": "0", "SLURM_NODEID": "2",
+           "SLURM_TASKS_PER_NODE": "4(x2),2", "SLURM_JOB_NODELIST": "n[1-3]"}
+    assert discover(env).local_world_size == 2
+    with pytest.raises(ValueError, match=r"SLURM_TASKS_PER_NODE='4,x' is not in SLURM's format"):
+        discover({**env, "SLURM_TASKS_PER_NODE": "4,x"})
+
+
+def test_mpirun_inside_an_sbatch_job_uses_mpi_ranks() -> None:
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "OMPI_COMM_WORLD_RANK": "2",
+           "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}
+    info = discover(env)
+    assert (info.rank, info.world_size, info.source) == (2, 4, "openmpi")
 
 
 def test_openmpi_variables_single_node() -> None:
@@ -50,6 +65,9 @@ def test_single_process_default() -> None:
     ({"RANK": "4", "WORLD_SIZE": "4"}, "rank 4 from torchrun variables is outside world size 4"),
     ({"RANK": "x", "WORLD_SIZE": "4"}, "environment variable RANK='x' is not an integer"),
     ({"RANK": "0", "WORLD_SIZE": "0"}, "world size 0 from torchrun variables must be >= 1"),
+    ({"RANK": "1"}, "environment variable WORLD_SIZE is not set"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "http"}, "environment variable MASTER_PORT='http' is not an integer"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": ""}, "environment variable LOCAL_RANK='' is not an integer"),
 ])
 def test_bad_variables(env: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -59,6 +77,10 @@ def test_bad_variables(env: dict, message: str) -> None:
 def test_slurm_first_host() -> None:
     assert first_host("node[03-05,9],gpu1") == "node03"
     assert first_host("login1") == "login1"
+    assert first_host("a1,b2") == "a1"
+    assert first_host("rack[1-2]-node[01-04]") == "rack1-node01"
+    with pytest.raises(ValueError, match="cannot read a host"):
+        first_host("node[01")
 
 
 def test_accelerator_choice() -> None:
@@ -121,12 +143,16 @@ def test_mesh_groups_match_the_pure_layout() -> None:
         assert got["pp_size"] == 1
 
 
-def _world_comm_name() -> str:
-    return Comm().name
+def _init_twice() -> tuple:
+    import zerospeed
+
+    group = dist.group.WORLD
+    info = zerospeed.init_distributed()  # already up (the harness started it): a no-op
+    return info.rank, info.world_size, dist.group.WORLD is group, Comm().name
 
 
 def test_init_distributed_is_idempotent_and_comm_defaults_to_world() -> None:
-    assert run_distributed(_world_comm_name, 2) == ["world", "world"]
+    assert run_distributed(_init_twice, 2) == [(0, 2, True, "world"), (1, 2, True, "world")]
 
 
 def test_init_distributed_single_process_without_launcher(tmp_path) -> None:

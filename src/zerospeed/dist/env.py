@@ -36,8 +36,12 @@ class DistEnv:
     source: Source
 
 
-def _int(env: Mapping[str, str], key: str) -> int:
-    raw = env[key]
+def _int(env: Mapping[str, str], key: str, default: int | None = None) -> int:
+    raw = env.get(key)
+    if raw is None:
+        if default is None:
+            raise ValueError(f"environment variable {key} is not set")
+        return default
     try:
         return int(raw)
     except ValueError:
@@ -45,61 +49,90 @@ def _int(env: Mapping[str, str], key: str) -> int:
 
 
 def first_host(nodelist: str) -> str:
-    """The first host of a SLURM node list such as ``node[03-05,9],gpu1`` -> ``node03``."""
-    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
-    if not match:
+    """The first host of a SLURM node list: ``node[03-05,9],gpu1`` -> ``node03``,
+    ``rack[1-2]-n[01-04]`` -> ``rack1-n01``."""
+    out, depth, group = [], 0, ""
+    for ch in nodelist.strip():
+        if ch == "," and depth == 0:
+            break
+        if ch == "[":
+            depth, group = depth + 1, ""
+        elif ch == "]":
+            depth -= 1
+            out.append(re.split(r"[-,]", group)[0])
+        elif depth:
+            group += ch
+        else:
+            out.append(ch)
+    host = "".join(out)
+    if not host or depth:
         raise ValueError(f"cannot read a host from SLURM node list {nodelist!r}")
-    prefix, ranges = match.group(1), match.group(2)
-    if ranges is None:
-        return prefix
-    first = ranges.split(",")[0].split("-")[0]
-    return prefix + first
+    return host
+
+
+def slurm_tasks_on_node(tasks_per_node: str, node_id: int) -> int:
+    """Tasks on node ``node_id`` from SLURM's compressed ``SLURM_TASKS_PER_NODE`` (``4(x2),2``)."""
+    counts: list[int] = []
+    for item in tasks_per_node.split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", item)
+        if not match:
+            raise ValueError(f"SLURM_TASKS_PER_NODE={tasks_per_node!r} is not in SLURM's format (e.g. 4(x2),2)")
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    if not 0 <= node_id < len(counts):
+        raise ValueError(f"SLURM_NODEID={node_id} is outside SLURM_TASKS_PER_NODE={tasks_per_node!r}")
+    return counts[node_id]
 
 
 def discover(env: Mapping[str, str], default_port: int = DEFAULT_PORT) -> DistEnv:
     """Read rank and world size from the first launcher whose variables are present.
 
-    Order: torchrun-style (``RANK``/``WORLD_SIZE``; also what our launcher sets), SLURM, Open MPI,
-    PMI; with none of them, a single-process world.
+    Order: torchrun-style (``RANK``/``WORLD_SIZE``; also what our launcher sets), Open MPI, PMI,
+    then SLURM (an ``mpirun`` inside an ``sbatch`` job inherits the batch step's SLURM variables,
+    so MPI's own must win); with none of them, a single-process world.
     """
-    port = int(env.get("MASTER_PORT", default_port))
-    if "RANK" in env and "WORLD_SIZE" in env:
+    port = _int(env, "MASTER_PORT", default_port)
+    if "RANK" in env or "WORLD_SIZE" in env:
         world = _int(env, "WORLD_SIZE")
         return _checked(
             DistEnv(
                 rank=_int(env, "RANK"),
                 world_size=world,
-                local_rank=int(env.get("LOCAL_RANK", 0)),
-                local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
+                local_rank=_int(env, "LOCAL_RANK", 0),
+                local_world_size=_int(env, "LOCAL_WORLD_SIZE", world),
                 master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
                 master_port=port,
                 source="torchrun",
-            )
-        )
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        world = _int(env, "SLURM_NTASKS")
-        addr = env.get("MASTER_ADDR") or first_host(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "127.0.0.1")))
-        return _checked(
-            DistEnv(
-                rank=_int(env, "SLURM_PROCID"),
-                world_size=world,
-                local_rank=int(env.get("SLURM_LOCALID", 0)),
-                local_world_size=int(env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0] or world),
-                master_addr=addr,
-                master_port=port,
-                source="slurm",
             )
         )
     if "OMPI_COMM_WORLD_RANK" in env and "OMPI_COMM_WORLD_SIZE" in env:
         return _checked(_from_mpi(env, port, "OMPI_COMM_WORLD_", "openmpi"))
     if "PMI_RANK" in env and "PMI_SIZE" in env:
         return _checked(_from_mpi(env, port, "PMI_", "pmi"))
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        world = _int(env, "SLURM_NTASKS")
+        addr = env.get("MASTER_ADDR") or first_host(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "127.0.0.1")))
+        if "SLURM_TASKS_PER_NODE" in env:
+            local_world = slurm_tasks_on_node(env["SLURM_TASKS_PER_NODE"], _int(env, "SLURM_NODEID", 0))
+        else:
+            local_world = _int(env, "SLURM_NTASKS_PER_NODE", world)
+        return _checked(
+            DistEnv(
+                rank=_int(env, "SLURM_PROCID"),
+                world_size=world,
+                local_rank=_int(env, "SLURM_LOCALID", 0),
+                local_world_size=local_world,
+                master_addr=addr,
+                master_port=port,
+                source="slurm",
+            )
+        )
     return DistEnv(0, 1, 0, 1, env.get("MASTER_ADDR", "127.0.0.1"), port, "single")
 
 
 def _from_mpi(env: Mapping[str, str], port: int, prefix: str, source: Source) -> DistEnv:
     world = _int(env, prefix + "SIZE")
-    local_size = int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE", env.get("MPI_LOCALNRANKS", world)))
+    local_key = "OMPI_COMM_WORLD_LOCAL_SIZE" if source == "openmpi" else "MPI_LOCALNRANKS"
+    local_size = _int(env, local_key, world)
     addr = env.get("MASTER_ADDR")
     if addr is None:
         if local_size != world:
@@ -111,7 +144,7 @@ def _from_mpi(env: Mapping[str, str], port: int, prefix: str, source: Source) ->
     return DistEnv(
         rank=_int(env, prefix + "RANK"),
         world_size=world,
-        local_rank=int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", env.get("MPI_LOCALRANKID", 0))),
+        local_rank=_int(env, "OMPI_COMM_WORLD_LOCAL_RANK" if source == "openmpi" else "MPI_LOCALRANKID", 0),
         local_world_size=local_size,
         master_addr=addr,
         master_port=port,
@@ -159,7 +192,8 @@ def init_distributed(
         return info
     accel = get_accelerator()
     backend = dist_backend or accel.backend
-    accel.set_device(info.local_rank)
+    if backend == "nccl":  # gloo ranks (e.g. CPU tests on a GPU box) need not own a device
+        accel.set_device(info.local_rank)
     kwargs: dict = dict(backend=backend, timeout=timeout)
     if store is not None:
         kwargs.update(store=store, rank=info.rank, world_size=info.world_size)
@@ -171,7 +205,7 @@ def init_distributed(
     else:
         kwargs.update(
             store=dist.TCPStore(info.master_addr, info.master_port, info.world_size,
-                                is_master=info.rank == 0, timeout=timeout),
+                                is_master=info.rank == 0 and not _agent_hosts_store(env), timeout=timeout),
             rank=info.rank, world_size=info.world_size,
         )
     dist.init_process_group(**kwargs)
@@ -179,6 +213,11 @@ def init_distributed(
     if verbose and info.rank == 0:
         print(f"zerospeed: {backend} process group of {info.world_size} ranks ({info.source})", flush=True)
     return info
+
+
+def _agent_hosts_store(env: Mapping[str, str]) -> bool:
+    """torch's elastic agent (our launcher, torchrun) already serves the store on MASTER_PORT."""
+    return env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() in ("1", "true")
 
 
 def shutdown_distributed() -> None:
