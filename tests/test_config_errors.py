@@ -305,3 +305,36 @@ def test_no_raw_exception_escapes_for_odd_values() -> None:
                 except ConfigError as err:
                     assert all(": " in line for line in err.problems), err.problems
     assert tried > 500
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"compile": {"enable": True}}, "compile.enable: unknown key; did you mean enabled?"),
+    ({"tensor_parallel": {"autotp_sise": 2}}, "tensor_parallel.autotp_sise: unknown key; did you mean autotp_size?"),
+    ({"amp": {"enabeld": True}}, "amp.enabeld: unknown key; did you mean enabled?"),
+    ({"autotuning": {"enable": True}}, "autotuning.enable: unknown key; did you mean enabled?"),
+    ({"data_efficiency": {"enable": True}}, "data_efficiency.enable: unknown key; did you mean enabled?"),
+])
+def test_typos_in_loosely_typed_sections_are_caught(section: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config({"train_batch_size": 8, **section})
+    assert str(err.value) == message
+
+
+def test_passthrough_keys_of_loose_sections_still_parse() -> None:
+    cfg = load_config({"train_batch_size": 8, "amp": {"enabled": True, "opt_level": "O1"},
+                       "compile": {"deepcompile": True, "offload_activation": True}})
+    assert cfg.features_in_use() == ("amp", "compile")
+    assert cfg.to_dict()["amp"] == {"enabled": True, "opt_level": "O1"}
+
+
+def test_null_offload_sections_mean_no_offload() -> None:
+    cfg = load_config({"train_batch_size": 8,
+                       "zero_optimization": {"stage": 3, "offload_param": None, "offload_optimizer": None}})
+    assert not cfg.zero_optimization.offload_param.enabled
+    assert not cfg.zero_optimization.offload_optimizer.enabled
+
+
+def test_auto_where_not_allowed_reads_well() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config({"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"betas": [0.9, "auto"]}}})
+    assert str(err.value).startswith('optimizer.params.betas: "auto" is not allowed here; expected ')

@@ -7,6 +7,7 @@ Giving two names of the same field is an error rather than a silent pick.
 
 from __future__ import annotations
 
+import difflib
 import typing
 from collections.abc import Iterator, Mapping
 from typing import Annotated, Any, ClassVar
@@ -14,7 +15,10 @@ from typing import Annotated, Any, ClassVar
 from pydantic import AliasChoices, BaseModel, ConfigDict, model_validator
 from pydantic.fields import FieldInfo
 
-from .values import FrozenDict, fail_many, freeze, thaw, zobject
+from .values import FrozenDict, fail_many, freeze, thaw, unknown_key_message, zobject
+
+# A passthrough key this close to a typed key of a loose section is taken for a typo of it.
+_TYPO_CUTOFF = 0.8
 
 
 def names(json_name: str, *other_names: str) -> dict[str, Any]:
@@ -133,6 +137,10 @@ class LooseSection(Section):
         known = set(cls.key_names()) - {"passthrough"}
         kept = {k: v for k, v in data.items() if k in known}
         rest = {k: v for k, v in data.items() if k not in known}
+        typos = [((k,), unknown_key_message(k, sorted(known))) for k in rest
+                 if difflib.get_close_matches(k, sorted(known), n=1, cutoff=_TYPO_CUTOFF)]
+        if typos:  # "enable" for "enabled" would otherwise pass through and switch nothing on
+            fail_many(typos)
         if rest:
             kept["passthrough"] = freeze(rest)
         return kept

@@ -188,7 +188,9 @@ class ZeroConfig(Section):
     def _rewrite_deprecated(cls, data: Any) -> Any:
         if not isinstance(data, Mapping):
             return data
-        data = dict(data)
+        # DeepSpeed declares both offload sections Optional: null means "no offload", the defaults.
+        data = {k: v for k, v in data.items()
+                if not (k in ("offload_param", "offload_optimizer") and v is None)}
         _rewrite_gather(data)
         _rewrite_cpu_offload(data)
         return data

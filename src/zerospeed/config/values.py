@@ -165,6 +165,8 @@ def json_kind(value: Any) -> str:
         return "an object"
     if value is None:
         return "null"
+    if isinstance(value, Auto):
+        return "not allowed here"  # reads: '"auto" is not allowed here; expected ...'
     return f"a {type(value).__name__}"
 
 
