@@ -171,3 +171,9 @@ def test_init_distributed_single_process_without_launcher(tmp_path) -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "single 1 gloo [1.0, 1.0, 1.0]"
+
+
+@pytest.mark.parametrize("kwargs", [dict(world_size=2, dp=2.0), dict(world_size=2, tp=True)])
+def test_parallel_dims_rejects_non_integers(kwargs: dict) -> None:
+    with pytest.raises(ValueError, match=r"must be an integer >= 1"):
+        ParallelDims(**kwargs)

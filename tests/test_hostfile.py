@@ -69,9 +69,9 @@ def test_hostfile_errors_are_launcher_errors() -> None:
             "got 'worker-0 gpus=4'",
         ),
         (
-            "worker-0 slots=4 max_slots=8\n",
+            "worker-0 slots=4 gpus=8\n",
             "<hostfile text>:1: expected '<hostname> slots=<count>' (e.g. 'worker-1 slots=4'), "
-            "got 'worker-0 slots=4 max_slots=8'",
+            "got 'worker-0 slots=4 gpus=8'",
         ),
         (
             "# c\n\nworker-0 slots=0\n",
@@ -277,3 +277,9 @@ def test_filter_does_not_mutate_resources() -> None:
     pool = dict(POOL)
     parse_inclusion_exclusion(pool, exclude="worker-0:1")
     assert pool == POOL
+
+
+def test_open_mpi_max_slots_is_accepted_and_ignored() -> None:
+    assert dict(parse_hostfile("w1 slots=4 max_slots=8\nw2 slots=2\n")) == {"w1": 4, "w2": 2}
+    with pytest.raises(HostfileError, match="expected '<hostname> slots=<count>'"):
+        parse_hostfile("w1 slots=4 gpus=8\n")

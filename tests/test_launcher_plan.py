@@ -319,3 +319,7 @@ def test_failure_summary_names_root_cause_and_maps_signals(tmp_path: Path) -> No
         "zerospeed: rank 2 also exited with code 5\n"
         "zerospeed: stopped the remaining rank(s) 0, 3\n"
     )
+
+
+def test_no_python_executable_is_not_escaped_but_its_arguments_are() -> None:
+    assert local_command(Program(script="./a$b.sh", args=("$x",), no_python=True)) == ("./a$b.sh", ["$$x"])

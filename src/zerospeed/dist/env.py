@@ -17,9 +17,9 @@ from typing import Literal, Mapping
 import torch.distributed as dist
 
 from zerospeed.accelerator import get_accelerator
+from zerospeed.dist.defaults import DEFAULT_ADDR, DEFAULT_PORT
 
 Source = Literal["torchrun", "slurm", "openmpi", "pmi", "single"]
-DEFAULT_PORT = 29500
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
 
@@ -99,7 +99,7 @@ def discover(env: Mapping[str, str], default_port: int = DEFAULT_PORT) -> DistEn
                 world_size=world,
                 local_rank=_int(env, "LOCAL_RANK", 0),
                 local_world_size=_int(env, "LOCAL_WORLD_SIZE", world),
-                master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+                master_addr=env.get("MASTER_ADDR", DEFAULT_ADDR),
                 master_port=port,
                 source="torchrun",
             )
@@ -110,7 +110,7 @@ def discover(env: Mapping[str, str], default_port: int = DEFAULT_PORT) -> DistEn
         return _checked(_from_mpi(env, port, "PMI_", "pmi"))
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         world = _int(env, "SLURM_NTASKS")
-        addr = env.get("MASTER_ADDR") or first_host(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "127.0.0.1")))
+        addr = env.get("MASTER_ADDR") or first_host(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", DEFAULT_ADDR)))
         if "SLURM_TASKS_PER_NODE" in env:
             local_world = slurm_tasks_on_node(env["SLURM_TASKS_PER_NODE"], _int(env, "SLURM_NODEID", 0))
         else:
@@ -126,7 +126,7 @@ def discover(env: Mapping[str, str], default_port: int = DEFAULT_PORT) -> DistEn
                 source="slurm",
             )
         )
-    return DistEnv(0, 1, 0, 1, env.get("MASTER_ADDR", "127.0.0.1"), port, "single")
+    return DistEnv(0, 1, 0, 1, env.get("MASTER_ADDR", DEFAULT_ADDR), port, "single")
 
 
 def _from_mpi(env: Mapping[str, str], port: int, prefix: str, source: Source) -> DistEnv:
@@ -140,7 +140,7 @@ def _from_mpi(env: Mapping[str, str], port: int, prefix: str, source: Source) ->
                 f"{source} launch across several nodes needs MASTER_ADDR set to rank 0's host "
                 f"(world size {world}, {local_size} ranks on this node)"
             )
-        addr = "127.0.0.1"
+        addr = DEFAULT_ADDR
     return DistEnv(
         rank=_int(env, prefix + "RANK"),
         world_size=world,

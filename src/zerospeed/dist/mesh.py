@@ -37,8 +37,10 @@ class ParallelDims:
     def __post_init__(self) -> None:
         for name in ("world_size", "tp", "pp", "ep"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ParallelDims.{name}={value!r} must be an integer >= 1")
+        if not isinstance(self.dp, int) or isinstance(self.dp, bool):
+            raise ValueError(f"ParallelDims.dp={self.dp!r} must be an integer >= 1, or -1 to infer it")
         fixed = self.tp * self.pp
         if self.dp == -1:
             if self.world_size % fixed:

@@ -28,6 +28,7 @@ __all__ = [
 LOCALHOST = "localhost"
 _TEXT_SOURCE = "<hostfile text>"
 _SLOTS_KEY = "slots="
+_MAX_SLOTS_KEY = "max_slots="
 # Characters with a meaning in include/exclude strings or in the hostfile syntax itself.
 _RESERVED_HOST_CHARS = frozenset("@:,=#")
 
@@ -93,7 +94,8 @@ def _parse_entry(entry: str, line: str, where: str) -> tuple[str, int]:
     expected = "expected '<hostname> slots=<count>' (e.g. 'worker-1 slots=4')"
     if len(tokens) == 1:
         raise HostfileError(f"{where}: host {host!r} has no 'slots=<count>'; {expected}, got {line!r}")
-    if len(tokens) > 2 or not tokens[1].startswith(_SLOTS_KEY):
+    extra_ok = all(t.startswith(_MAX_SLOTS_KEY) for t in tokens[2:])  # Open MPI's max_slots is harmless
+    if not extra_ok or not tokens[1].startswith(_SLOTS_KEY):
         raise HostfileError(f"{where}: {expected}, got {line!r}")
     bad = sorted(_RESERVED_HOST_CHARS.intersection(host))
     if bad or host.startswith("-"):

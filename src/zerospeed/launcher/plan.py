@@ -12,14 +12,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from zerospeed.dist.defaults import DEFAULT_ADDR, DEFAULT_PORT
 from zerospeed.launcher.errors import LauncherError, MultiNodeNotImplementedError
 from zerospeed.launcher.hostfile import local_resources, parse_inclusion_exclusion
+
 
 __all__ = ["DEFAULT_MASTER_ADDR", "DEFAULT_MASTER_PORT", "LaunchPlan", "LaunchRequest", "Program",
            "resolve_plan"]
 
-DEFAULT_MASTER_ADDR = "127.0.0.1"
-DEFAULT_MASTER_PORT = 29500
+DEFAULT_MASTER_ADDR = DEFAULT_ADDR
+DEFAULT_MASTER_PORT = DEFAULT_PORT
 
 
 @dataclass(frozen=True)

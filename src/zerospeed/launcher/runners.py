@@ -53,11 +53,12 @@ def local_command(program: Program, python: str | None = None) -> tuple[str, lis
     The agent runs :class:`string.Template` substitution over every argument (``$$`` -> ``$``,
     ``${local_rank}`` -> the rank), so user text is escaped to reach the script unchanged.
     """
-    user = [_escape_macros(arg) for arg in (program.script, *program.args)]
+    user = [_escape_macros(arg) for arg in program.args]
     if program.append_local_rank:
         user.append(f"--local_rank={_LOCAL_RANK_MACRO}")
-    if program.no_python:
-        return user[0], user[1:]
+    if program.no_python:  # the agent substitutes arguments only, never the executable
+        return program.script, user
+    user.insert(0, _escape_macros(program.script))
     flags = ["-u", "-m"] if program.module else ["-u"]
     return python or sys.executable, flags + user
 

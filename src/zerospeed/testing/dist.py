@@ -29,7 +29,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-_HOST = "127.0.0.1"
+from zerospeed.dist.defaults import DEFAULT_ADDR
+
+_HOST = DEFAULT_ADDR
 _STACK_DUMP_GRACE_S = 1.0
 
 
