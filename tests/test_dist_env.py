@@ -177,3 +177,23 @@ def test_init_distributed_single_process_without_launcher(tmp_path) -> None:
 def test_parallel_dims_rejects_non_integers(kwargs: dict) -> None:
     with pytest.raises(ValueError, match=r"must be an integer >= 1"):
         ParallelDims(**kwargs)
+
+
+def _groups_released_while_mesh_lives() -> list[bool]:
+    import gc
+    import weakref
+
+    from zerospeed.dist import shutdown_distributed
+
+    mesh = ParallelDims(world_size=2).build()
+    refs = [weakref.ref(comm.group) for comm in mesh.comms.values()] + [weakref.ref(dist.group.WORLD)]
+    shutdown_distributed()
+    gc.collect()
+    alive = [ref() is not None for ref in refs]
+    del mesh
+    return alive
+
+
+def test_a_lingering_mesh_does_not_keep_destroyed_groups_alive() -> None:
+    # Groups kept alive until interpreter teardown abort gloo processes at exit.
+    assert run_distributed(_groups_released_while_mesh_lives, 2) == [[False] * 4] * 2

@@ -1,8 +1,8 @@
 """Parallel degrees validated into named process groups.
 
 :class:`ParallelDims` is a pure value: it checks that the degrees multiply to the world size and
-says which ranks share each axis. :meth:`ParallelDims.build` turns it into a :class:`Mesh` (a torch
-``DeviceMesh`` plus one :class:`~zerospeed.dist.comm.Comm` per axis) that is passed to whoever
+says which ranks share each axis. :meth:`ParallelDims.build` turns it into a :class:`Mesh` (one
+:class:`~zerospeed.dist.comm.Comm` per axis) that is passed to whoever
 needs groups; nothing is stored in module globals.
 
 Rank layout is row-major over ``(pp, dp, tp)``: tensor-parallel peers are adjacent ranks (they
@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Mapping
 
 import torch.distributed as dist
 
-from zerospeed.accelerator import Accelerator, get_accelerator
 from zerospeed.dist.comm import DEFAULT_COMM_TIMEOUT, Comm
 
 Axis = Literal["pp", "dp", "tp"]
@@ -78,8 +77,7 @@ class ParallelDims:
             groups.setdefault(key, []).append(rank)
         return list(groups.values())
 
-    def build(self, accelerator: Accelerator | None = None,
-              timeout: datetime.timedelta = DEFAULT_COMM_TIMEOUT) -> "Mesh":
+    def build(self, timeout: datetime.timedelta = DEFAULT_COMM_TIMEOUT) -> "Mesh":
         """Create the process groups (collective: every rank must call it)."""
         if self.ep > 1:
             raise NotImplementedError(f"ParallelDims.ep={self.ep}: expert parallelism lands with MoE support")
@@ -89,12 +87,21 @@ class ParallelDims:
             raise ValueError(
                 f"ParallelDims.world_size={self.world_size} but the process group has {dist.get_world_size()} ranks"
             )
-        from torch.distributed.device_mesh import init_device_mesh
+        comms = {axis: Comm(self._my_group(axis), name=axis, timeout=timeout) for axis in AXES}
+        return Mesh(self, comms)
 
-        accel = accelerator or get_accelerator()
-        device_mesh = init_device_mesh(accel.device_type, self.shape, mesh_dim_names=AXES)
-        comms = {axis: Comm(device_mesh.get_group(axis), name=axis, timeout=timeout) for axis in AXES}
-        return Mesh(self, device_mesh, comms)
+    def _my_group(self, axis: Axis) -> dist.ProcessGroup:
+        """Create every group of ``axis`` (all ranks must) and return the one holding this rank.
+
+        Plain ``new_group`` rather than a torch ``DeviceMesh``: a DeviceMesh is cached by torch and
+        keeps its groups alive past ``destroy_process_group``, and gloo groups destroyed at
+        interpreter teardown abort the process ("terminate called without an active exception").
+        """
+        groups = self.rank_groups(axis)
+        if len(groups) == 1:
+            return dist.group.WORLD
+        mine, _ = dist.new_subgroups_by_enumeration(groups)
+        return mine
 
 
 @dataclass(frozen=True)
@@ -102,8 +109,7 @@ class Mesh:
     """The built groups: ``mesh.comm('dp')`` is the data-parallel :class:`Comm` of this rank."""
 
     dims: ParallelDims
-    device_mesh: object
-    comms: dict
+    comms: Mapping[Axis, Comm]
 
     def comm(self, axis: Axis) -> Comm:
         return self.comms[axis]
