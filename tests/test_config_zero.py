@@ -115,7 +115,7 @@ def test_deprecated_cpu_offload() -> None:
     with pytest.warns(DeprecationWarning, match=r"zero_optimization.cpu_offload is deprecated"):
         z = zero({"stage": 2, "cpu_offload": True})
     assert z.offload_optimizer.device == OffloadDevice.CPU
-    assert z.offload_optimizer.pin_memory is False
+    assert z.offload_optimizer.pin_memory is True  # DeepSpeed 0.19.8's default
     assert z.offload_param.device == "none"
     assert "cpu_offload" not in z.to_dict()
 
@@ -197,3 +197,10 @@ def test_loose_zero_subsections() -> None:
     assert z.zenflow is not None and z.zenflow.passthrough["topk_ratio"] == 0.05
     assert z.zeropp_loco_param == {"err_beta": 0.8, "reset_T": 1024}
     assert z.to_dict()["zenflow"] == {"topk_ratio": 0.05, "update_interval": 4}
+
+
+def test_compute_grad_norm_off_only_at_stages_1_and_2() -> None:
+    assert zero({"stage": 2, "compute_grad_norm": False}).compute_grad_norm is False
+    with pytest.raises(ConfigError) as err:
+        zero({"stage": 3, "compute_grad_norm": False})
+    assert str(err.value).startswith("zero_optimization.compute_grad_norm: false needs stage 1 or 2 (stage is 3)")

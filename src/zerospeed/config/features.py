@@ -66,7 +66,9 @@ def _zero_features(cfg: Config) -> list[str]:
             out.append("zero_optimization.stage3_partition_stream_chunk_size")
         if zero.gather_16bit_weights_on_model_save is not False:
             out.append("zero_optimization.stage3_gather_16bit_weights_on_model_save")
-    out += _flags("zero_optimization", zero, ("elastic_checkpoint", "legacy_stage1"))
+    out += _flags("zero_optimization", zero, ("elastic_checkpoint", "legacy_stage1", "parameter_alignment"))
+    if not zero.compute_grad_norm:
+        out.append("zero_optimization.compute_grad_norm")
     for name in ("zenflow", "zeropp_loco_param", "leaf_module"):
         if getattr(zero, name) is not None:
             out.append(f"zero_optimization.{name}")

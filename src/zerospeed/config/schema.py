@@ -101,7 +101,7 @@ class Config(Section):
     # -- optimizer ------------------------------------------------------------------------
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
-    gradient_clipping: Annotated[float | Auto, zfloat(ge=0, auto=True)] = 0.0
+    gradient_clipping: Annotated[float | Auto, zfloat(ge=0, auto=True)] = 1.0  # DeepSpeed 0.19.8
     zero_allow_untested_optimizer: Annotated[bool, zbool()] = False
     zero_force_ds_cpu_optimizer: Annotated[bool, zbool()] = True
 

@@ -45,7 +45,7 @@ class BF16Config(Section):
 
     enabled: Annotated[bool | Auto, zbool(auto=True)] = False
     immediate_grad_update: Annotated[bool, zbool()] = False
-    check_grad_overflow: Annotated[bool, zbool()] = False
+    check_grad_overflow: Annotated[bool, zbool()] = True  # DeepSpeed 0.19.8
     bf16_master_weights_and_grads: Annotated[bool, zbool()] = False
     bf16_optimizer_states: Annotated[bool, zbool()] = False
 

@@ -43,7 +43,7 @@ class _OffloadSection(Section):
 
     device: Annotated[OffloadDevice | Auto, zenum(OffloadDevice, auto=True)] = OffloadDevice.NONE
     nvme_path: Annotated[pathlib.Path | None, zpath(nullable=True)] = None
-    pin_memory: Annotated[bool, zbool()] = False
+    pin_memory: Annotated[bool, zbool()] = True  # DeepSpeed 0.19.8
 
     @model_validator(mode="after")
     def _nvme_needs_path(self) -> _OffloadSection:
@@ -146,6 +146,8 @@ class ZeroConfig(Section):
     mics_shard_size: Annotated[int, zint()] = -1
     mics_hierarchical_params_gather: Annotated[bool, zbool()] = False
     memory_efficient_linear: Annotated[bool, zbool()] = True
+    compute_grad_norm: Annotated[bool, zbool()] = True
+    parameter_alignment: Annotated[bool, zbool()] = False
     pipeline_loading_checkpoint: Annotated[bool, zbool()] = False
     override_module_apply: Annotated[bool, zbool()] = True
     log_trace_cache_warnings: Annotated[bool, zbool()] = False
@@ -199,6 +201,9 @@ class ZeroConfig(Section):
     def _dependent_defaults_and_checks(self) -> ZeroConfig:
         if self.overlap_comm is None and not isinstance(self.stage, Auto):
             object.__setattr__(self, "overlap_comm", self.stage == 3)
+        if not self.compute_grad_norm and self.stage not in (1, 2, Auto.AUTO):
+            fail(f"false needs stage 1 or 2 (stage is {self.stage}); the global norm is needed "
+                 f"elsewhere", ("compute_grad_norm",))
         if self.offload_optimizer.ratio < 1.0 and self.stage not in (3, Auto.AUTO):
             fail(f"{self.offload_optimizer.ratio} needs stage 3 (partial offload); "
                  f"stage is {self.stage}", ("offload_optimizer", "ratio"))
