@@ -173,6 +173,15 @@ def test_misuse_is_caught_before_the_network() -> None:
             or "reduce_scatter: output has 2 elements but part 1 has 3" in text)
 
 
+def _timeout_message(call) -> str:
+    """The CollectiveTimeout text ``call`` raises (or a marker the assertions will reject)."""
+    try:
+        call()
+    except CollectiveTimeout as exc:
+        return str(exc)
+    return "no timeout"
+
+
 def _one_rank_absent() -> str:
     import datetime
 
@@ -181,11 +190,7 @@ def _one_rank_absent() -> str:
     if comm.rank == 1:
         time.sleep(4)  # never calls the all_reduce below
         return ""
-    try:
-        comm.all_reduce(torch.ones(1))
-    except CollectiveTimeout as exc:
-        return str(exc)
-    return "no timeout"
+    return _timeout_message(lambda: comm.all_reduce(torch.ones(1)))
 
 
 def test_timeout_names_the_collective_and_the_missing_rank() -> None:
@@ -194,10 +199,6 @@ def test_timeout_names_the_collective_and_the_missing_rank() -> None:
     assert time.monotonic() - start < 30
     assert message.startswith("all_reduce (call #2 on group 'world', ranks [0, 1]) did not complete within 2s")
     assert "ranks that did not arrive: [1] (rank 1 not waiting in any collective: busy or dead)" in message
-
-
-def _uninitialized() -> None:
-    pass
 
 
 def test_comm_requires_a_process_group() -> None:
@@ -217,11 +218,7 @@ def _rank_stuck_in_an_earlier_collective() -> str:
         except CollectiveTimeout:
             pass
         return ""
-    try:
-        comm.all_reduce(torch.ones(1))
-    except CollectiveTimeout as exc:
-        return str(exc)
-    return "no timeout"
+    return _timeout_message(lambda: comm.all_reduce(torch.ones(1)))
 
 
 def test_timeout_tells_where_a_stuck_rank_waits() -> None:
