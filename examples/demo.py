@@ -99,7 +99,7 @@ def train(cfg: zerospeed.Config, steps: int, seed: int, rank: int, world: int, c
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(total)
-        bar.set_postfix(loss=f"{total:.4f}")
+        bar.set_postfix(loss=f"{total:.4f}", refresh=False)
     return model, losses
 
 
