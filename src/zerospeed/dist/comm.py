@@ -45,7 +45,11 @@ class CollectiveError(RuntimeError):
 
 
 class CollectiveTimeout(CollectiveError):
-    """A collective did not complete in time; the message names the ranks that never arrived."""
+    """A collective did not complete in time; the message names the ranks that never arrived.
+
+    The group is not usable afterwards (gloo closes the connections of a timed-out operation):
+    report, then tear the job down.
+    """
 
 
 @dataclass
