@@ -1,0 +1,9 @@
+from .schedules import (
+    SCHEDULES,
+    LRRangeTest,
+    OneCycle,
+    WarmupCosineLR,
+    WarmupDecayLR,
+    WarmupLR,
+    build_scheduler,
+)
