@@ -10,6 +10,9 @@ from typing import Any
 __version__ = "0.1.0.dev0"
 
 _LAZY = {
+    "initialize": "zerospeed.entry",
+    "add_config_arguments": "zerospeed.entry",
+    "Engine": "zerospeed.engine",
     "load_config": "zerospeed.config",
     "Config": "zerospeed.config",
     "ConfigError": "zerospeed.config",

@@ -1,0 +1,192 @@
+"""The training engine: forward, backward, step (ZeRO stage 0 for now).
+
+It composes values chosen once at start: the precision policy (compute dtype, master weights,
+loss scaler), the gradient buckets that accumulate and average gradients during backward, the
+optimizer and LR schedule built from the config (or given by the user), and the data loader.
+``step()`` is called every micro-batch and acts only at the accumulation boundary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from zerospeed.config import Config
+from zerospeed.dist.comm import Comm
+from zerospeed.zero.grads import GradBuckets, ReductionPolicy
+
+log = logging.getLogger("zerospeed")
+
+
+class Engine(nn.Module):
+    """Wraps ``module`` for data-parallel training; see :func:`zerospeed.initialize`."""
+
+    def __init__(self, module: nn.Module, cfg: Config, comm: Comm, policy: Any,
+                 optimizer: torch.optim.Optimizer | None, lr_scheduler: Any = None,
+                 master_params: list[nn.Parameter] | None = None):
+        super().__init__()
+        self.module = module
+        self.config = cfg
+        self.comm = comm
+        self.policy = policy
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.scaler = policy.make_scaler()
+        self._model_params = [p for p in module.parameters() if p.requires_grad]
+        self._master_params = master_params if master_params is not None else self._model_params
+        self.buckets = GradBuckets(
+            self._model_params, comm, bucket_elems=int(cfg.zero_optimization.reduce_bucket_size),
+            accum_dtype=policy.grad_accum_dtype,
+            policy=ReductionPolicy(reduce_dtype=policy.reduce_dtype, prescale=cfg.prescale_gradients,
+                                   predivide_factor=cfg.gradient_predivide_factor),
+        )
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self._step_applied = False
+        self._global_grad_norm: float | None = None
+        self._in_no_sync = False
+        self._window_had_no_sync = False
+        self._last_loss: float | None = None
+        self._tick = time.perf_counter()
+
+    # -- sizes ----------------------------------------------------------------------------
+    def train_batch_size(self) -> int:
+        return int(self.config.train_batch_size)
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return int(self.config.train_micro_batch_size_per_gpu)
+
+    def gradient_accumulation_steps(self) -> int:
+        return int(self.config.gradient_accumulation_steps)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True while the current micro-batch is the last one of its accumulation window."""
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    # -- forward / backward ----------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = self.policy.cast_inputs((args, kwargs))
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+        """Average ``loss`` over the accumulation window, scale it, and backpropagate."""
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise ValueError(f"engine.backward expects a scalar loss tensor, got {type(loss).__name__}"
+                             f"{'' if not isinstance(loss, torch.Tensor) else ' of shape ' + str(tuple(loss.shape))}")
+        self._last_loss = float(loss.detach())
+        self.buckets.reduce_this_step = self.is_gradient_accumulation_boundary() and not self._in_no_sync
+        scaled = self.scaler.scale_loss(loss.float() / self.gradient_accumulation_steps())
+        scaled.backward(retain_graph=retain_graph)
+        return loss
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally without reducing them (the window's reduce is skipped)."""
+        self._in_no_sync = True
+        try:
+            yield
+        finally:
+            self._in_no_sync = False
+
+    # -- step -----------------------------------------------------------------------------
+    def step(self) -> None:
+        """Call after every micro-batch; updates the weights at the end of each accumulation window."""
+        if self.optimizer is None:
+            raise RuntimeError("engine.step() needs an optimizer: pass optimizer= to zerospeed.initialize "
+                               "or add an \"optimizer\" section to the config")
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        self._step_applied = False
+        if self._in_no_sync:
+            self._window_had_no_sync = True
+        if not boundary:
+            return
+        if self._in_no_sync or self._window_had_no_sync:
+            self._window_had_no_sync = False
+            raise RuntimeError("engine.step() at an accumulation boundary inside or after no_sync(): the "
+                               "gradients were never averaged across ranks; leave no_sync() for the last "
+                               "micro-batch of the window")
+        self.buckets.finish()
+        grads = self.buckets.flat_buffers()
+        if self.scaler.loss_scale != 1.0:
+            for flat in grads:
+                flat.div_(self.scaler.loss_scale)
+        overflow = self.scaler.has_overflow(grads)  # the all-reduce spread any rank's inf/nan to all
+        self.scaler.update(overflow)
+        if overflow:
+            self.skipped_steps += 1
+            self._finish_window()
+            return
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32)
+                                                     for g in grads]))
+        self._global_grad_norm = float(norm)
+        clip = float(self.config.gradient_clipping)
+        if clip > 0 and self._global_grad_norm > clip:
+            factor = clip / (self._global_grad_norm + 1e-6)
+            for flat in grads:
+                flat.mul_(factor)
+        for master, model in zip(self._master_params, self._model_params):
+            master.grad = self.buckets.grad_of(model).to(master.dtype)
+        self.optimizer.step()
+        if self._master_params is not self._model_params:
+            with torch.no_grad():
+                for master, model in zip(self._master_params, self._model_params):
+                    model.copy_(master)
+        self._step_applied = True
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+        self._finish_window()
+        self._report()
+
+    def _finish_window(self) -> None:
+        for p in self._master_params:
+            p.grad = None
+        self.buckets.zero()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop accumulated gradients (``step`` already does this at each boundary)."""
+        for p in self._model_params:
+            p.grad = None
+        self.buckets.zero()
+
+    # -- queries --------------------------------------------------------------------------
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    def get_global_grad_norm(self) -> float | None:
+        return self._global_grad_norm
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self._optimizer_groups()]
+
+    def get_mom(self) -> list[Any]:
+        return [group.get("betas", group.get("momentum")) for group in self._optimizer_groups()]
+
+    def _optimizer_groups(self) -> list[dict]:
+        if self.optimizer is None:
+            raise RuntimeError("no optimizer: pass optimizer= to zerospeed.initialize or configure one")
+        return self.optimizer.param_groups
+
+    @property
+    def cur_scale(self) -> float:
+        return self.scaler.loss_scale
+
+    def _report(self) -> None:
+        every = self.config.steps_per_print
+        if not every or self.global_steps % every or self.comm.rank != 0:
+            return
+        now = time.perf_counter()
+        rate = every * self.train_batch_size() / max(now - self._tick, 1e-9)
+        self._tick = now
+        log.info("step %d  loss %.4f  lr %s  loss scale %g  %.1f samples/s", self.global_steps,
+                 self._last_loss or float("nan"), ", ".join(f"{lr:.3g}" for lr in self.get_lr()),
+                 self.scaler.loss_scale, rate)

@@ -1,0 +1,140 @@
+"""``zerospeed.initialize``: DeepSpeed's entry point, turning a model and a config into an Engine."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from zerospeed.accelerator import get_accelerator
+from zerospeed.config import Config, ConfigError, load_config
+from zerospeed.data.loader import DistributedLoader
+from zerospeed.dist.comm import Comm
+from zerospeed.dist.env import init_distributed
+from zerospeed.dist.mesh import ParallelDims
+from zerospeed.engine import Engine
+
+log = logging.getLogger("zerospeed")
+
+# Config features this engine honours; anything else a config asks for is refused by name.
+IMPLEMENTED = frozenset({
+    "fp16", "bf16", "gradient_clipping", "optimizer.type=*", "scheduler.type=*", "communication_data_type=*",
+    "prescale_gradients", "gradient_predivide_factor", "dataloader_drop_last", "bf16.check_grad_overflow",
+})
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add DeepSpeed's ``--deepspeed`` / ``--deepspeed_config`` options to a user's parser."""
+    group = parser.add_argument_group("zerospeed", "zerospeed configuration")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="enable zerospeed (accepted for DeepSpeed compatibility)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="zerospeed / DeepSpeed JSON config")
+    return parser
+
+
+def initialize(args: Any = None, model: nn.Module | None = None,
+               optimizer: torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None = None,
+               model_parameters: Iterable[Any] | None = None, training_data: Any = None,
+               lr_scheduler: Any = None, mpu: Any = None, dist_init_required: bool | None = None,
+               collate_fn: Callable[[list[Any]], Any] | None = None, config: Any = None,
+               config_params: Any = None) -> tuple[Engine, Any, DistributedLoader | None, Any]:
+    """Return ``(engine, optimizer, dataloader, lr_scheduler)`` exactly as ``deepspeed.initialize``."""
+    if isinstance(args, nn.Module):
+        raise TypeError("zerospeed.initialize got a model as its first argument (args); pass it as model=...")
+    if model is None:
+        raise ValueError("zerospeed.initialize needs model=... (an nn.Module)")
+    if mpu is not None:
+        raise NotImplementedError("mpu= (model parallelism from Megatron) lands with tensor/pipeline parallelism")
+    source = config if config is not None else config_params
+    if source is None:
+        source = getattr(args, "deepspeed_config", None)
+    if source is None:
+        raise ValueError("no config: pass config= (a dict or a JSON path) or args with --deepspeed_config")
+    info = init_distributed(dist_init_required=dist_init_required)
+    mesh = ParallelDims(world_size=torch.distributed.get_world_size()).build()
+    comm = mesh.dp
+    cfg = _resolved_config(source, comm.world_size, training_data)
+    cfg.check_implemented(IMPLEMENTED)
+
+    from zerospeed.precision.policy import policy_from_config
+
+    policy = policy_from_config(cfg)
+    model.to(get_accelerator().device(info.local_rank))
+    policy.cast_module(model)
+    _broadcast_from_rank0(model, comm)
+    master = _master_params(model, policy)
+    opt = _build_optimizer(optimizer, model_parameters, model, master, cfg)
+    sched = _build_scheduler(lr_scheduler, opt, cfg)
+    loader = None
+    if training_data is not None:
+        loader = DistributedLoader(training_data, micro_batch_size=int(cfg.train_micro_batch_size_per_gpu),
+                                   rank=comm.rank, world_size=comm.world_size, collate_fn=collate_fn,
+                                   drop_last=cfg.dataloader_drop_last)
+    engine = Engine(model, cfg, comm, policy, opt, sched, master_params=master)
+    if comm.rank == 0:
+        log.info("zerospeed config (resolved, every default in force):\n%s", cfg.to_json())
+    return engine, opt, loader, sched
+
+
+def _resolved_config(source: Any, world: int, training_data: Any) -> Config:
+    cfg = load_config(source, world_size=world)
+    pending = set(cfg.unresolved_auto())
+    if pending:
+        raise ConfigError("\n".join(f'{key}: "auto" has no value zerospeed can derive here; set it in the config'
+                                    for key in sorted(pending)))
+    return cfg
+
+
+def _broadcast_from_rank0(model: nn.Module, comm: Comm) -> None:
+    """Start every rank from rank 0's weights and buffers, as DDP and DeepSpeed do."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            comm.broadcast(tensor.data, src=0)
+
+
+def _master_params(model: nn.Module, policy: Any) -> list[nn.Parameter] | None:
+    """fp32 master copies of the trainable parameters when the model computes in lower precision."""
+    if not policy.needs_master_copy:
+        return None
+    return [nn.Parameter(p.detach().to(policy.master_dtype).clone()) for p in model.parameters() if p.requires_grad]
+
+
+def _build_optimizer(optimizer: Any, model_parameters: Any, model: nn.Module,
+                     master: list[nn.Parameter] | None, cfg: Config) -> torch.optim.Optimizer | None:
+    params = list(model_parameters) if model_parameters is not None else [p for p in model.parameters() if p.requires_grad]
+    if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = optimizer(params)
+    if optimizer is None and cfg.optimizer is not None:
+        from zerospeed.optim.factory import build_optimizer
+
+        optimizer = build_optimizer(cfg.optimizer, params)
+    elif optimizer is not None and cfg.optimizer is not None:
+        raise ValueError("an optimizer was passed to initialize and the config has an \"optimizer\" section; "
+                         "keep one of them")
+    if optimizer is not None and master is not None:
+        _swap_to_master(optimizer, model, master)
+    return optimizer
+
+
+def _swap_to_master(optimizer: torch.optim.Optimizer, model: nn.Module, master: list[nn.Parameter]) -> None:
+    """Point the optimizer's groups at the fp32 masters (its state is still empty here)."""
+    by_id = {id(p): m for p, m in zip([p for p in model.parameters() if p.requires_grad], master)}
+    for group in optimizer.param_groups:
+        group["params"] = [by_id.get(id(p), p) for p in group["params"]]
+
+
+def _build_scheduler(lr_scheduler: Any, optimizer: torch.optim.Optimizer | None, cfg: Config) -> Any:
+    if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+        return lr_scheduler(optimizer)
+    if lr_scheduler is not None:
+        return lr_scheduler
+    if cfg.scheduler is None:
+        return None
+    if optimizer is None:
+        raise ValueError("the config has a \"scheduler\" but there is no optimizer to schedule")
+    from zerospeed.optim.schedules import build_scheduler
+
+    return build_scheduler(cfg.scheduler, optimizer)
