@@ -211,8 +211,10 @@ def test_has_overflow_mixed_dtypes_and_empty():
 
 def test_has_overflow_sparse():
     i = torch.tensor([[0, 2]])
-    ok = torch.sparse_coo_tensor(i, torch.tensor([1.0, 2.0]), (4,))
-    bad = torch.sparse_coo_tensor(i, torch.tensor([1.0, float("inf")]), (4,))
+    def sparse(values):
+        return torch.sparse_coo_tensor(i, torch.tensor(values), (4,), check_invariants=True)
+
+    ok, bad = sparse([1.0, 2.0]), sparse([1.0, float("inf")])
     assert has_inf_or_nan([ok]) is False
     assert has_inf_or_nan([ok, bad]) is True
 

@@ -9,17 +9,20 @@ from .loss_scale import (
     NoScaler,
     StaticScaler,
     find_inf_or_nan,
-    from_config,
     has_inf_or_nan,
 )
+from .loss_scale import from_config as scaler_from_config
+from .policy import MixedPrecisionPolicy, policy_from_config
 
 __all__ = [
     "DynamicScaler",
     "LossScaleAtMinimumError",
     "LossScaler",
+    "MixedPrecisionPolicy",
     "NoScaler",
     "StaticScaler",
     "find_inf_or_nan",
-    "from_config",
     "has_inf_or_nan",
+    "policy_from_config",
+    "scaler_from_config",
 ]

@@ -1,0 +1,135 @@
+"""The mixed-precision policy: every dtype decision of a run, made once from the config.
+
+The engine, the gradient reducer and the optimizer wrapper read dtypes from one frozen
+:class:`MixedPrecisionPolicy` and get their loss scaler from :meth:`make_scaler`, so no
+``if fp16:`` chain appears anywhere else. The three precisions differ only in the values:
+
+=========  ===========  ============  ================  ====================  ==========
+precision  param_dtype  master_dtype  grad_accum_dtype  reduce_dtype          scaler
+=========  ===========  ============  ================  ====================  ==========
+fp32       fp32         fp32          fp32              grad_accum_dtype      none
+bf16       bf16         fp32          fp32              grad_accum_dtype      none
+fp16       fp16         fp32          fp32              grad_accum_dtype      fp16 section
+=========  ===========  ============  ================  ====================  ==========
+
+``data_types.grad_accum_dtype`` and ``communication_data_type`` override their columns.
+(DeepSpeed 0.19.8 defaults both to the model dtype; accumulating and reducing in fp32 by
+default costs bandwidth but keeps bf16/fp16 runs close to fp32, which the engine's parity
+tests rely on. Set ``communication_data_type`` to trade that back.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..config.errors import ConfigError
+from ..config.schema import Config
+from ..config.schema_precision import FP16Config
+from ..config.values import DType
+from .loss_scale import LossScaler, NoScaler, from_config
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Which dtype each kind of state lives in, and how the loss is scaled.
+
+    ``param_dtype`` is the model's compute dtype (parameters as the forward sees them);
+    ``master_dtype`` is what the optimizer updates; ``grad_accum_dtype`` holds gradients
+    summed over micro-batches; ``reduce_dtype`` goes over the wire. ``check_overflow``
+    says whether a non-finite gradient skips the step. ``loss_scaling`` is the ``fp16``
+    section that :meth:`make_scaler` reads, None for no scaling.
+    """
+
+    precision: DType
+    param_dtype: torch.dtype
+    master_dtype: torch.dtype
+    grad_accum_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    check_overflow: bool
+    loss_scaling: FP16Config | None = None
+
+    @property
+    def needs_master_copy(self) -> bool:
+        """Whether the optimizer needs its own higher-precision copy of the parameters."""
+        return self.param_dtype != self.master_dtype
+
+    @property
+    def input_dtype(self) -> torch.dtype | None:
+        """Floating inputs are cast to this before forward; None leaves them alone (fp32:
+        a user's fp64 inputs are theirs to keep)."""
+        return None if self.param_dtype == torch.float32 else self.param_dtype
+
+    def make_scaler(self) -> LossScaler:
+        """A fresh loss scaler (mutable, so one per engine, never shared)."""
+        return NoScaler() if self.loss_scaling is None else from_config(self.loss_scaling)
+
+    def cast_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Cast the module's floating parameters and buffers to ``param_dtype`` in place."""
+        return module.to(dtype=self.param_dtype)
+
+    def cast_inputs(self, inputs: Any) -> Any:
+        """``inputs`` with every floating tensor cast to :attr:`input_dtype`.
+
+        Walks tuples (named ones too), lists and mappings; integer, bool and complex
+        tensors and non-tensors are returned unchanged, so token ids and masks survive.
+        """
+        dtype = self.input_dtype
+        return inputs if dtype is None else _cast_floating(inputs, dtype)
+
+    def cast_forward_args(self, args: tuple[Any, ...],
+                          kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """:meth:`cast_inputs` applied to one forward call's ``*args`` and ``**kwargs``."""
+        dtype = self.input_dtype
+        if dtype is None:
+            return args, kwargs
+        return _cast_floating(args, dtype), _cast_floating(kwargs, dtype)
+
+
+def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+    if isinstance(value, tuple):
+        items = [_cast_floating(v, dtype) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, list):
+        return type(value)(_cast_floating(v, dtype) for v in value)
+    if isinstance(value, Mapping):
+        cast = {k: _cast_floating(v, dtype) for k, v in value.items()}
+        if type(value) is dict:
+            return cast
+        try:
+            return type(value)(cast)
+        except TypeError:
+            return cast
+    return value
+
+
+def policy_from_config(cfg: Config) -> MixedPrecisionPolicy:
+    """The policy ``cfg`` asks for (``"auto"`` in fp16/bf16.enabled must be resolved)."""
+    precision = cfg.precision
+    compute = precision.torch_dtype
+    asked = cfg.data_types.param_dtype
+    if asked is not None and asked != precision:
+        raise ConfigError(f"data_types.param_dtype: {asked} does not match the precision "
+                          f"{precision} chosen by fp16/bf16.enabled; drop it or make them agree")
+    accum = cfg.data_types.grad_accum_dtype
+    grad_accum = torch.float32 if accum is None else accum.torch_dtype
+    comm = cfg.communication_data_type
+    check_overflow = {DType.FP32: False, DType.BF16: cfg.bf16.check_grad_overflow,
+                      DType.FP16: True}[precision]
+    return MixedPrecisionPolicy(
+        precision=precision,
+        param_dtype=compute,
+        master_dtype=torch.float32,
+        grad_accum_dtype=grad_accum,
+        reduce_dtype=grad_accum if comm is None else comm.torch_dtype,
+        check_overflow=check_overflow,
+        loss_scaling=cfg.fp16 if precision == DType.FP16 else None,
+    )
+
+
+__all__ = ["MixedPrecisionPolicy", "policy_from_config"]
