@@ -8,7 +8,7 @@ from collections import OrderedDict, namedtuple
 import pytest
 import torch
 
-from zerospeed.config import ConfigError, load_config
+from zerospeed.config import ConfigError, DType, load_config
 from zerospeed.precision import (
     DynamicScaler,
     MixedPrecisionPolicy,
@@ -167,7 +167,7 @@ def test_cast_module_and_forward_on_cpu(precision, dtype):
 
 
 def test_direct_construction_without_config():
-    p = MixedPrecisionPolicy(precision="bf16", param_dtype=bf16, master_dtype=f32,
+    p = MixedPrecisionPolicy(precision=DType.BF16, param_dtype=bf16, master_dtype=f32,
                              grad_accum_dtype=f32, reduce_dtype=bf16, check_overflow=False)
     assert p.needs_master_copy and isinstance(p.make_scaler(), NoScaler)
     assert p.input_dtype == bf16

@@ -30,21 +30,21 @@ class LossScaleAtMinimumError(RuntimeError):
     """
 
 
-def find_inf_or_nan(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+def find_inf_or_nan(tensors: Iterable[torch.Tensor],
+                    device: torch.device | str | None = None) -> torch.Tensor:
     """A 0-d bool tensor, True if any element of any tensor is inf or nan.
 
     One fused ``_foreach_norm(inf)`` over the list (max-abs propagates inf and nan) and one
     ``isfinite`` over the stacked norms; the result stays on the device so it can be
-    all-reduced across ranks without a host sync per tensor. All tensors must share a device.
+    all-reduced across ranks without a host sync per tensor. All tensors must share a device;
+    ``device`` places the False returned for an empty list (default: CPU).
     """
     nonempty = [t.detach() for t in tensors if t.numel() > 0]
-    if not nonempty:
-        return torch.tensor(False)
     if any(t.is_sparse for t in nonempty):
         nonempty = [t.coalesce().values() if t.is_sparse else t for t in nonempty]
         nonempty = [t for t in nonempty if t.numel() > 0]
-        if not nonempty:
-            return torch.tensor(False)
+    if not nonempty:
+        return torch.tensor(False, device=device)
     norms = torch._foreach_norm(nonempty, math.inf, dtype=torch.float32)
     return torch.stack(norms).isfinite().all().logical_not()
 
