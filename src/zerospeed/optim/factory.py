@@ -1,0 +1,144 @@
+"""Config ``optimizer`` section -> a ``torch.optim.Optimizer``, as DeepSpeed 0.19.8 builds it.
+
+Follows ``DeepSpeedEngine._configure_basic_optimizer``: ``Adam`` means AdamW (decoupled weight
+decay) unless ``adam_w_mode`` is false, ``AdamW`` always means AdamW, missing Adam params take
+DeepSpeed FusedAdam's defaults (notably ``weight_decay`` 0, where torch's AdamW would use 0.01)
+unless ``torch_adam`` asks for torch's optimizer with torch's defaults, ``Lamb`` is our
+:class:`~zerospeed.optim.lamb.Lamb`, ``Adagrad`` and any other ``torch.optim`` class name are
+torch's class with the params as given. User parameter groups (dicts with their own ``lr``,
+``weight_decay``...) reach the optimizer unchanged, so their overrides win over the config.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from ..config.errors import ConfigError
+from ..config.values import Auto
+from .lamb import Lamb
+
+__all__ = ["OPTIMIZERS", "UNIMPLEMENTED", "build_optimizer"]
+
+Params = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
+
+#: DeepSpeed FusedAdam / DeepSpeedCPUAdam defaults (deepspeed/ops/adam), used for ``Adam``/``AdamW``.
+FUSED_ADAM_DEFAULTS: Mapping[str, Any] = MappingProxyType(
+    {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0})
+
+#: DeepSpeed optimizer types we accept in the config but do not implement yet.
+UNIMPLEMENTED: tuple[str, ...] = ("OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Lion", "MuAdam",
+                                  "MuAdamW", "MuSGD", "Muon")
+
+
+def _adam(name: str) -> Callable[[Params, dict[str, Any]], Optimizer]:
+    """Builder for DeepSpeed's ``Adam``/``AdamW`` types (engine.get_optimizer_configuration)."""
+
+    def build(params: Params, kwargs: dict[str, Any]) -> Optimizer:
+        adam_w_mode = kwargs.pop("adam_w_mode", True)
+        torch_adam = kwargs.pop("torch_adam", False)
+        kwargs.pop("set_grad_none", None)  # torch's zero_grad() already sets grads to None
+        kwargs.pop("fp32_optimizer_states", None)  # DeepSpeed CPU Adam only; states are fp32
+        if not kwargs.pop("bias_correction", True):
+            raise NotImplementedError(
+                "optimizer.params.bias_correction: false (Adam without bias correction, "
+                "supported by DeepSpeed's FusedAdam) is not implemented; remove the key or "
+                "set it to true")
+        if not torch_adam:
+            kwargs = {**FUSED_ADAM_DEFAULTS, **kwargs}
+        decoupled = name == "AdamW" or adam_w_mode
+        cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+        return cls(params, **kwargs)
+
+    return build
+
+
+def _adagrad(params: Params, kwargs: dict[str, Any]) -> Optimizer:
+    """torch's Adagrad, as DeepSpeed uses without CPU offload; CPU-Adagrad-only keys dropped."""
+    kwargs.pop("fp32_optimizer_states", None)
+    if kwargs.pop("amsgrad", False):
+        raise NotImplementedError("optimizer.params.amsgrad: Adagrad has no AMSGrad variant; "
+                                  "remove the key")
+    return torch.optim.Adagrad(params, **kwargs)
+
+
+def _lamb(params: Params, kwargs: dict[str, Any]) -> Optimizer:
+    return Lamb(params, **kwargs)
+
+
+#: DeepSpeed optimizer types we build ourselves; every other name is a ``torch.optim`` class.
+OPTIMIZERS: Mapping[str, Callable[[Params, dict[str, Any]], Optimizer]] = MappingProxyType({
+    "Adam": _adam("Adam"), "AdamW": _adam("AdamW"), "Adagrad": _adagrad, "Lamb": _lamb})
+
+
+def build_optimizer(cfg_optimizer: Any, params: Params) -> Optimizer | None:
+    """The configured optimizer (``cfg.optimizer``: ``.type``, ``.params``) over ``params``.
+
+    ``params`` is what ``model_parameters`` holds: tensors, ``module.parameters()`` or parameter
+    group dicts. Returns None when no optimizer is configured. Raises ``ConfigError`` for
+    unresolved ``"auto"`` values and arguments the optimizer rejects, ``NotImplementedError`` for
+    DeepSpeed optimizers and options zerospeed does not implement.
+    """
+    if cfg_optimizer is None:
+        return None
+    name: str = cfg_optimizer.type
+    if name in UNIMPLEMENTED:
+        raise NotImplementedError(
+            f"optimizer.type: {name!r} is a DeepSpeed optimizer zerospeed does not implement "
+            f"yet; use one of {', '.join(OPTIMIZERS)} or a torch.optim class name")
+    kwargs = _kwargs(cfg_optimizer.params)
+    if "max_grad_norm" in kwargs:
+        raise ConfigError("optimizer.params.max_grad_norm: not supported as an optimizer "
+                          "parameter (DeepSpeed rejects it too); clip gradients with the "
+                          "top-level gradient_clipping")
+    build = OPTIMIZERS.get(name) or _torch_class(name)
+    try:
+        return build(params, kwargs)
+    except TypeError as err:  # an argument the class does not take
+        raise ConfigError(f"optimizer.params ({name}): {err}") from err
+    except ValueError as err:  # torch's range checks ("Invalid learning rate: -1")
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(f"optimizer.params ({name}): {err}") from err
+
+
+def _torch_class(name: str) -> Callable[[Params, dict[str, Any]], Optimizer]:
+    """Builder for ``torch.optim.<name>``; a name that is not an optimizer class is an error."""
+    cls = getattr(torch.optim, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, Optimizer)):
+        raise ConfigError(f"optimizer.type: {name!r} is neither a DeepSpeed optimizer "
+                          f"({', '.join(OPTIMIZERS)}) nor a torch.optim optimizer class")
+    return lambda params, kwargs: cls(params, **kwargs)
+
+
+def _kwargs(params: Mapping[str, Any]) -> dict[str, Any]:
+    """Plain keyword arguments from the frozen params; any ``"auto"`` left is an error."""
+    unresolved = [key for key, value in params.items() if _has_auto(value)]
+    if unresolved:
+        raise ConfigError([f'optimizer.params.{key}: still "auto" when building the optimizer; '
+                           "resolve it from the training arguments first or give a value in "
+                           "the config" for key in unresolved])
+    return {key: _plain(value) for key, value in params.items()}
+
+
+def _has_auto(value: Any) -> bool:
+    if isinstance(value, Auto) or (isinstance(value, str) and value == "auto"):
+        return True
+    if isinstance(value, Mapping):
+        return any(_has_auto(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_has_auto(v) for v in value)
+    return False
+
+
+def _plain(value: Any) -> Any:
+    """Frozen mappings -> dicts; tuples (JSON arrays such as ``betas``) stay tuples as torch's."""
+    if isinstance(value, Mapping):
+        return {key: _plain(v) for key, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return tuple(_plain(v) for v in value)
+    return value
