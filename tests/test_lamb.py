@@ -253,3 +253,15 @@ def test_closure_and_training_reduces_loss():
     for _ in range(50):
         last = opt.step(closure).item()
     assert last < 0.8 * first
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_params_step(dtype):
+    params, grads = make_case(dtype=torch.float32, steps=3)
+    got, coeffs, opt = run_lamb([p.to(dtype) for p in params],
+                                [[g.to(dtype) for g in gs] for gs in grads], lr=1e-2)
+    want, _ = reference_lamb([p.double() for p in params],
+                             [[g.double() for g in gs] for gs in grads], lr=1e-2)
+    assert all(p.dtype == dtype for p in got)
+    assert all(s["exp_avg"].dtype == dtype for s in opt.state.values())
+    assert max_diff([p.double() for p in got], want) <= 5e-2  # bf16 has ~3 significant digits
