@@ -118,7 +118,8 @@ class Engine(nn.Module):
         if self.scaler.loss_scale != 1.0:
             for flat in grads:
                 flat.div_(self.scaler.loss_scale)
-        overflow = self.scaler.has_overflow(grads)  # the all-reduce spread any rank's inf/nan to all
+        # The all-reduce has already spread any rank's inf/nan to every rank: one local check agrees.
+        overflow = self.policy.check_overflow and self.scaler.has_overflow(grads)
         self.scaler.update(overflow)
         if overflow:
             self.skipped_steps += 1
