@@ -94,3 +94,79 @@ def test_fp32_parity_with_plain_pytorch(world_size: int) -> None:
     for accum in (1, 3):
         results = run_distributed(_train, world_size, accum)
         assert len({r[0] for r in results}) == 1  # every rank saw the same averaged gradient norm
+
+
+def _overflow_on_one_rank() -> dict:
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 1.0,
+              "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "hysteresis": 1},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 0.01, "warmup_num_steps": 10}}}
+    engine, opt, _, sched = zerospeed.initialize(
+        model=Net(), config=config, optimizer=lambda params: torch.optim.Adam(params, lr=0.01))
+    x, y = _data(torch.distributed.get_world_size(), 1)
+    out = {}
+    for step in range(3):
+        rows = slice((step * 2 + rank) * MICRO, (step * 2 + rank + 1) * MICRO)
+        loss = nn.functional.mse_loss(engine(x[rows]).float(), y[rows])
+        if step == 1:
+            before = [p.detach().clone() for p in engine.module.parameters()]
+            state_before = [opt.state[p]["exp_avg"].clone() for p in opt.param_groups[0]["params"]]
+            lr_before, scale_before = engine.get_lr(), engine.cur_scale
+            if rank == 1:
+                loss = loss * float("inf")  # only this rank overflows
+        engine.backward(loss)
+        engine.step()
+        if step == 1:
+            out["applied"] = engine.was_step_applied()
+            out["params_kept"] = all(torch.equal(a, b.detach()) for a, b in zip(before, engine.module.parameters()))
+            out["state_kept"] = all(torch.equal(a, opt.state[p]["exp_avg"])
+                                    for a, p in zip(state_before, opt.param_groups[0]["params"]))
+            out["lr_kept"] = engine.get_lr() == lr_before
+            out["scale"] = (scale_before, engine.cur_scale)
+    out["skipped"], out["steps"] = engine.skipped_steps, engine.global_steps
+    return out
+
+
+def test_an_inf_on_one_rank_skips_the_step_everywhere() -> None:
+    for result in run_distributed(_overflow_on_one_rank, 2):
+        assert result == {"applied": False, "params_kept": True, "state_kept": True, "lr_kept": True,
+                          "scale": (256.0, 128.0), "skipped": 1, "steps": 2}
+
+
+def _misuse() -> list[str]:
+    messages = []
+    engine, *_ = zerospeed.initialize(model=Net(), config={"train_micro_batch_size_per_gpu": 2})
+    loss = engine(torch.ones(2, 6)).sum()
+    engine.backward(loss)
+    try:
+        engine.step()
+    except RuntimeError as exc:
+        messages.append(str(exc))
+    engine2, *_ = zerospeed.initialize(model=Net(), config={"train_micro_batch_size_per_gpu": 2},
+                                       optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    with engine2.no_sync():
+        engine2.backward(engine2(torch.ones(2, 6)).sum())
+        try:
+            engine2.step()
+        except RuntimeError as exc:
+            messages.append(str(exc))
+    try:
+        zerospeed.initialize(model=Net(), config={"train_batch_size": 8, "train_micro_batch_size_per_gpu": 8,
+                                                   "gradient_accumulation_steps": 1})
+    except ValueError as exc:
+        messages.append(str(exc))
+    try:
+        zerospeed.initialize(Net(), config={"train_batch_size": 8})
+    except TypeError as exc:
+        messages.append(str(exc))
+    return messages
+
+
+def test_clear_errors() -> None:
+    messages = run_distributed(_misuse, 2)[0]
+    assert messages[0].startswith("engine.step() needs an optimizer")
+    assert messages[1].startswith("engine.step() at an accumulation boundary inside or after no_sync()")
+    assert messages[2].startswith("train_batch_size: 8 != train_micro_batch_size_per_gpu (8) * "
+                                  "gradient_accumulation_steps (1) * world_size (2) = 16")
+    assert messages[3] == "zerospeed.initialize got a model as its first argument (args); pass it as model=..."
