@@ -170,3 +170,52 @@ def test_clear_errors() -> None:
     assert messages[2].startswith("train_batch_size: 8 != train_micro_batch_size_per_gpu (8) * "
                                   "gradient_accumulation_steps (1) * world_size (2) = 16")
     assert messages[3] == "zerospeed.initialize got a model as its first argument (args); pass it as model=..."
+
+
+def _reference_with(opt_factory, world: int, accum: int) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = Net()
+    opt = opt_factory(model.parameters())
+    x, y = _data(world, accum)
+    per_step = world * accum * MICRO
+    for step in range(STEPS):
+        for r in range(world):
+            for m in range(accum):
+                start = step * per_step + (r * accum + m) * MICRO
+                (nn.functional.mse_loss(model(x[start:start + MICRO]), y[start:start + MICRO]) / accum / world).backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    return [p.detach() for p in model.parameters()]
+
+
+def _train_from_config(optimizer_section: dict, accum: int) -> None:
+    from zerospeed.optim import Lamb
+
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    torch.manual_seed(0)
+    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": accum,
+              "gradient_clipping": 1.0, "optimizer": optimizer_section}
+    engine, *_ = zerospeed.initialize(model=Net(), config=config)
+    x, y = _data(world, accum)
+    per_step = world * accum * MICRO
+    for step in range(STEPS):
+        for m in range(accum):
+            start = step * per_step + (rank * accum + m) * MICRO
+            engine.backward(nn.functional.mse_loss(engine(x[start:start + MICRO]), y[start:start + MICRO]))
+            engine.step()
+    params = optimizer_section["params"]
+    if optimizer_section["type"] == "SGD":
+        factory = lambda p: torch.optim.SGD(p, **params)  # noqa: E731
+    else:
+        factory = lambda p: Lamb(p, **params)  # noqa: E731
+    for got, expected in zip(engine.module.parameters(), _reference_with(factory, world, accum)):
+        torch.testing.assert_close(got.detach(), expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sgd_momentum_and_lamb_from_config_match_the_reference(world_size: int) -> None:
+    for section in ({"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}},
+                    {"type": "Lamb", "params": {"lr": 0.02, "weight_decay": 0.01}}):
+        for accum in (1, 3):
+            run_distributed(_train_from_config, world_size, section, accum)
