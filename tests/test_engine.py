@@ -219,3 +219,36 @@ def test_sgd_momentum_and_lamb_from_config_match_the_reference(world_size: int) 
                     {"type": "Lamb", "params": {"lr": 0.02, "weight_decay": 0.01}}):
         for accum in (1, 3):
             run_distributed(_train_from_config, world_size, section, accum)
+
+
+def _losses(precision: str) -> list[float]:
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    torch.manual_seed(0)
+    config = {"train_micro_batch_size_per_gpu": 8, "gradient_clipping": 1.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}
+    if precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    elif precision == "fp16":  # a start scale this small model's gradients do not overflow
+        config["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    engine, *_ = zerospeed.initialize(model=Net(), config=config)
+    gen = torch.Generator().manual_seed(3)
+    teacher = torch.randn(6, 3, generator=gen)
+    losses = []
+    for _ in range(30):
+        x = torch.randn(world * 8, 6, generator=gen)
+        rows = slice(rank * 8, rank * 8 + 8)
+        loss = nn.functional.mse_loss(engine(x[rows]).float(), (x @ teacher)[rows])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    assert engine.skipped_steps == 0
+    return losses
+
+
+def test_bf16_and_fp16_track_fp32_within_2_percent() -> None:
+    fp32 = run_distributed(_losses, 2, "fp32")[0]
+    for precision in ("bf16", "fp16"):
+        low = run_distributed(_losses, 2, precision)[0]
+        worst = max(abs(a - b) / b for a, b in zip(low, fp32))
+        assert worst < 0.02, f"{precision} strays {worst:.1%} from fp32"
+    assert fp32[-1] < fp32[0] * 0.5
