@@ -83,6 +83,9 @@ def _train(accum: int) -> list[torch.Tensor]:
             assert engine.was_step_applied() == (m == accum - 1)
     assert engine.global_steps == STEPS and engine.skipped_steps == 0
     assert engine.get_lr() == sched.get_last_lr()
+    assert opt is engine.optimizer and opt.cur_scale == 1.0 and opt.param_groups[0]["lr"] == engine.get_lr()[0]
+    with pytest.raises(RuntimeError, match=r"call engine.step\(\) instead of optimizer.step\(\)"):
+        opt.step()
     reference = _reference(world, accum)
     for got, expected in zip(engine.module.parameters(), reference):
         torch.testing.assert_close(got.detach(), expected, rtol=0, atol=1e-5)
@@ -123,7 +126,7 @@ def _overflow_on_one_rank() -> dict:
             out["state_kept"] = all(torch.equal(a, opt.state[p]["exp_avg"])
                                     for a, p in zip(state_before, opt.param_groups[0]["params"]))
             out["lr_kept"] = engine.get_lr() == lr_before
-            out["scale"] = (scale_before, engine.cur_scale)
+            out["scale"] = (scale_before, engine.optimizer.cur_scale)
     out["skipped"], out["steps"] = engine.skipped_steps, engine.global_steps
     return out
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from zerospeed.config import Config
 from zerospeed.dist.comm import Comm
+from zerospeed.optim.wrapper import EngineOptimizer
 from zerospeed.zero.grads import GradBuckets, ReductionPolicy
 
 log = logging.getLogger("zerospeed")
@@ -34,9 +35,11 @@ class Engine(nn.Module):
         self.config = cfg
         self.comm = comm
         self.policy = policy
-        self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.scaler = policy.make_scaler()
+        self._optimizer = optimizer  # the torch optimizer the engine steps
+        # what user code sees (DeepSpeed's wrapper: live ``cur_scale``, stepping only via the engine)
+        self.optimizer = EngineOptimizer(optimizer, self.scaler) if optimizer is not None else None
         self._model_params = [p for p in module.parameters() if p.requires_grad]
         self._master_params = master_params if master_params is not None else self._model_params
         self.buckets = GradBuckets(
@@ -98,7 +101,7 @@ class Engine(nn.Module):
     # -- step -----------------------------------------------------------------------------
     def step(self) -> None:
         """Call after every micro-batch; updates the weights at the end of each accumulation window."""
-        if self.optimizer is None:
+        if self._optimizer is None:
             raise RuntimeError("engine.step() needs an optimizer: pass optimizer= to zerospeed.initialize "
                                "or add an \"optimizer\" section to the config")
         boundary = self.is_gradient_accumulation_boundary()
@@ -135,7 +138,7 @@ class Engine(nn.Module):
                 flat.mul_(factor)
         for master, model in zip(self._master_params, self._model_params):
             master.grad = self.buckets.grad_of(model).to(master.dtype)
-        self.optimizer.step()
+        self._optimizer.step()
         if self._master_params is not self._model_params:
             with torch.no_grad():
                 for master, model in zip(self._master_params, self._model_params):
@@ -173,9 +176,9 @@ class Engine(nn.Module):
         return [group.get("betas", group.get("momentum")) for group in self._optimizer_groups()]
 
     def _optimizer_groups(self) -> list[dict]:
-        if self.optimizer is None:
+        if self._optimizer is None:
             raise RuntimeError("no optimizer: pass optimizer= to zerospeed.initialize or configure one")
-        return self.optimizer.param_groups
+        return self._optimizer.param_groups
 
     @property
     def cur_scale(self) -> float:

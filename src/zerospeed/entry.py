@@ -74,9 +74,19 @@ def initialize(args: Any = None, model: nn.Module | None = None,
                                    rank=comm.rank, world_size=comm.world_size, collate_fn=collate_fn,
                                    drop_last=cfg.dataloader_drop_last)
     engine = Engine(model, cfg, comm, policy, opt, sched, master_params=master)
+    _ensure_log_handler()
     if comm.rank == 0:
         log.info("zerospeed config (resolved, every default in force):\n%s", cfg.to_json())
-    return engine, opt, loader, sched
+    return engine, engine.optimizer, loader, sched
+
+
+def _ensure_log_handler() -> None:
+    """Show zerospeed's INFO lines (config, step reports) like DeepSpeed does, unless the user set up logging."""
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[zerospeed] %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
 
 
 def _resolved_config(source: Any, world: int, training_data: Any) -> Config:
