@@ -255,3 +255,49 @@ def test_bf16_and_fp16_track_fp32_within_2_percent() -> None:
         worst = max(abs(a - b) / b for a, b in zip(low, fp32))
         assert worst < 0.02, f"{precision} strays {worst:.1%} from fp32"
     assert fp32[-1] < fp32[0] * 0.5
+
+
+def _plumbing() -> dict:
+    import argparse
+    import logging
+
+    from torch.utils.data import TensorDataset
+
+    records: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logging.getLogger("zerospeed").addHandler(Collect())
+    logging.getLogger("zerospeed").setLevel(logging.INFO)
+    parser = zerospeed.add_config_arguments(argparse.ArgumentParser())
+    import json
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 3, "steps_per_print": 2,
+                   "gradient_accumulation_steps": "auto", "dataloader_drop_last": True,
+                   "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}, f)
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", f.name])
+    data = TensorDataset(torch.randn(20, 6), torch.randn(20, 3))
+    engine, _, loader, _ = zerospeed.initialize(args=args, model=Net(), training_data=data)
+    shapes = []
+    for x, y in loader:
+        shapes.append(tuple(x.shape))
+        engine.backward(nn.functional.mse_loss(engine(x), y))
+        engine.step()
+    return {"batch": (engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(),
+                      engine.gradient_accumulation_steps()),
+            "shapes": shapes, "steps": engine.global_steps, "samples": engine.global_samples,
+            "config_logged": any(r.startswith("zerospeed config (resolved") for r in records),
+            "step_lines": [r.split("  ")[0] for r in records if r.startswith("step ")]}
+
+
+def test_args_config_auto_batch_loader_and_step_logging() -> None:
+    rank0, rank1 = run_distributed(_plumbing, 2)
+    assert rank0["batch"] == (6, 3, 1)  # "auto" derived from the micro batch and the world size
+    assert rank0["shapes"] == [(3, 6)] * 3  # 10 samples per rank, drop_last -> 3 micro-batches of 3
+    assert (rank0["steps"], rank0["samples"]) == (3, 18)
+    assert rank0["config_logged"] and not rank1["config_logged"]
+    assert rank0["step_lines"] == ["step 2"] and rank1["step_lines"] == []

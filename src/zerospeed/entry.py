@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from zerospeed.accelerator import get_accelerator
-from zerospeed.config import Config, ConfigError, load_config
+from zerospeed.config import Config, ConfigError, load_config, resolve_batch
 from zerospeed.data.loader import DistributedLoader
 from zerospeed.dist.comm import Comm
 from zerospeed.dist.env import init_distributed
@@ -89,9 +89,24 @@ def _ensure_log_handler() -> None:
         log.setLevel(logging.INFO)
 
 
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
 def _resolved_config(source: Any, world: int, training_data: Any) -> Config:
+    """Load the config and fill the ``"auto"`` values the engine can know; refuse the rest by name.
+
+    Batch sizes set to ``"auto"`` are derived from the ones that are given and the world size
+    (a lone micro batch means one accumulation step), as if they had been left out.
+    """
     cfg = load_config(source, world_size=world)
     pending = set(cfg.unresolved_auto())
+    batch_auto = [key for key in _BATCH_KEYS if key in pending]
+    if batch_auto and len(batch_auto) < len(_BATCH_KEYS):
+        given = {key: (None if key in batch_auto else getattr(cfg, key)) for key in _BATCH_KEYS}
+        sizes = resolve_batch(given["train_batch_size"], given["train_micro_batch_size_per_gpu"],
+                              given["gradient_accumulation_steps"], world)
+        cfg = cfg.resolve_auto({key: getattr(sizes, key) for key in batch_auto})
+        pending = set(cfg.unresolved_auto())
     if pending:
         raise ConfigError("\n".join(f'{key}: "auto" has no value zerospeed can derive here; set it in the config'
                                     for key in sorted(pending)))
