@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -89,7 +90,7 @@ def train(engine: zerospeed.Engine, loader: DistributedLoader, steps: int,
             loss = engine(x, y)
             engine.backward(loss)
             engine.step()
-            local[step] += float(loss) / accum
+            local[step] += loss.item() / accum
             tokens += x.numel()
         if show and (step % 10 == 0 or step == steps - 1):
             rate = tokens * engine.comm.world_size / (time.perf_counter() - start)
@@ -111,7 +112,7 @@ def sample(model: GPT, prompt: str, new_tokens: int, seed: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--deepspeed_config", default=str(HERE / "demo_config.json"))
-    parser.add_argument("--steps", type=int, default=400, help="optimizer steps")
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps")
     parser.add_argument("--seq_len", type=int, default=64)
     parser.add_argument("--corpus_bytes", type=int, default=2_000_000)
     parser.add_argument("--val_windows", type=int, default=64)
@@ -120,6 +121,9 @@ def main() -> None:
     parser.add_argument("--full_config", action="store_true", help="print the whole resolved config")
     args = parser.parse_args()
 
+    # The progress bar and summary say what the engine's INFO lines would (the full config is --full_config).
+    logging.getLogger("zerospeed").addHandler(logging.NullHandler())
+    logging.getLogger("zerospeed").setLevel(logging.WARNING)
     torch.manual_seed(args.seed)
     train_tokens, val_tokens = split(cached_corpus(args.corpus_bytes))
     train_data, val_data = TokenWindows(train_tokens, args.seq_len), TokenWindows(val_tokens, args.seq_len)
