@@ -62,14 +62,15 @@ def load_demo_config(path: str, steps: int) -> dict:
 
 
 @torch.no_grad()
-def evaluate(engine: zerospeed.Engine, data: TokenWindows, windows: int) -> float:
+def evaluate(engine: zerospeed.Engine, data: TokenWindows, windows: int, batch: int = 8) -> float:
     """Mean loss over the first ``windows`` validation windows, split across ranks and averaged."""
     comm = engine.comm
     engine.eval()
     total = torch.zeros(2)
-    for i in range(comm.rank, min(windows, len(data)), comm.world_size):
-        x, y = data[i]
-        total += torch.tensor([float(engine(x[None], y[None])), 1.0])
+    mine = list(range(comm.rank, min(windows, len(data)), comm.world_size))
+    for start in range(0, len(mine), batch):
+        x, y = (torch.stack(t) for t in zip(*(data[i] for i in mine[start:start + batch])))
+        total += torch.tensor([float(engine(x, y)) * len(x), float(len(x))])
     comm.all_reduce(total, op="sum")
     engine.train()
     return float(total[0] / total[1])
@@ -133,23 +134,26 @@ def main() -> None:
     comm, cfg, show = engine.comm, engine.config, engine.comm.rank == 0
     if show:
         print(f"zerospeed {zerospeed.__version__}: {comm.world_size} ranks, {cfg.precision.value}, "
-              f"GPT {model.num_params() / 1e6:.2f}M params; stdlib docstrings {len(train_tokens) / 1e6:.2f}M train / "
-              f"{len(val_tokens) / 1e3:.0f}K validation bytes; batch {cfg.train_batch_size} x {args.seq_len} tokens = "
-              f"micro {cfg.train_micro_batch_size_per_gpu} x accumulation {cfg.gradient_accumulation_steps} "
-              f"x world {comm.world_size}", flush=True)
+              f"GPT {model.num_params() / 1e6:.2f}M params ({model.cfg.n_layers} layers, d_model {model.cfg.d_model})\n"
+              f"data: stdlib docstrings, bytes as tokens, {len(train_tokens) / 1e6:.2f}M train / "
+              f"{len(val_tokens) / 1e3:.0f}K validation\n"
+              f"batch {cfg.train_batch_size} x {args.seq_len} tokens = micro {cfg.train_micro_batch_size_per_gpu} "
+              f"x accumulation {cfg.gradient_accumulation_steps} x world {comm.world_size}", flush=True)
 
     val_before = evaluate(engine, val_data, args.val_windows)
     losses, elapsed, tokens = train(engine, loader, args.steps, show)
     val_after = evaluate(engine, val_data, args.val_windows)
-    memory = comm.all_gather_object(peak_memory_mb(next(model.parameters()).device))
+    device = next(model.parameters()).device
+    memory = comm.all_gather_object(peak_memory_mb(device))
     if not show:
         return
     tail = losses[-min(10, len(losses)):]
     print("\nsummary")
     print(f"  steps                {args.steps} ({tokens:,} tokens in {elapsed:.1f} s, {tokens / elapsed:,.0f} tokens/s)")
-    print(f"  train loss           {losses[0]:.3f} -> {sum(tail) / len(tail):.3f} (first step -> mean of last {len(tail)})")
+    print(f"  train loss           {losses[0]:.3f} -> {sum(tail) / len(tail):.3f} (first step -> mean of last {len(tail)}; ln 256 = 5.545)")
     print(f"  validation loss      {val_before:.3f} -> {val_after:.3f}")
-    print(f"  peak memory          " + ", ".join(f"rank {r}: {mb:.0f} MB" for r, mb in enumerate(memory)))
+    what = "max allocated" if device.type == "cuda" else "max RSS"
+    print(f"  peak memory          " + ", ".join(f"rank {r}: {mb:.0f} MB" for r, mb in enumerate(memory)) + f" ({what})")
     print(f"  optimizer steps      {engine.global_steps} applied, {engine.skipped_steps} skipped; final lr "
           f"{engine.get_lr()[0]:.2e}")
     print("  config beyond defaults (resolved):")

@@ -88,7 +88,7 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
 
     @torch.no_grad()
-    def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 0.8,
+    def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 0.7,
                  top_k: int = 20, generator: torch.Generator | None = None) -> torch.Tensor:
         """Sample a continuation of ``idx`` (1 x T), token by token, over the last ``seq_len`` tokens."""
         for _ in range(new_tokens):
