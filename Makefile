@@ -24,6 +24,7 @@ test: install
 
 bench: install
 	$(BIN)/python benchmarks/bench_comm.py
+	$(BIN)/python benchmarks/bench_ddp.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache
