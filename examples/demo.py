@@ -143,30 +143,38 @@ def main() -> None:
     val_before = evaluate(engine, val_data, args.val_windows)
     losses, elapsed, tokens = train(engine, loader, args.steps, show)
     val_after = evaluate(engine, val_data, args.val_windows)
-    device = next(model.parameters()).device
-    memory = comm.all_gather_object(peak_memory_mb(device))
+    memory = comm.all_gather_object(peak_memory_mb(next(model.parameters()).device))
     if not show:
         return
-    tail = losses[-min(10, len(losses)):]
-    print("\nsummary")
-    print(f"  steps                {args.steps} ({tokens:,} tokens in {elapsed:.1f} s, {tokens / elapsed:,.0f} tokens/s)")
-    print(f"  train loss           {losses[0]:.3f} -> {sum(tail) / len(tail):.3f} (first step -> mean of last {len(tail)}; ln 256 = 5.545)")
-    print(f"  validation loss      {val_before:.3f} -> {val_after:.3f}")
-    what = "max allocated" if device.type == "cuda" else "max RSS"
-    print(f"  peak memory          " + ", ".join(f"rank {r}: {mb:.0f} MB" for r, mb in enumerate(memory)) + f" ({what})")
-    print(f"  optimizer steps      {engine.global_steps} applied, {engine.skipped_steps} skipped; final lr "
-          f"{engine.get_lr()[0]:.2e}")
-    print("  config beyond defaults (resolved):")
-    print(format_settings(non_default_settings(cfg, comm.world_size), "    "))
+    fell = print_summary(engine, args, losses, (val_before, val_after), elapsed, tokens, memory)
     if args.sample_tokens:
         print(f"  sample               {sample(model, PROMPT, args.sample_tokens, args.seed)!r}")
     if args.full_config:
-        print(cfg.to_json())
-    fell = sum(tail) / len(tail) < losses[0] and val_after < val_before
+        print(engine.config.to_json())
     print(f"  result               {'OK: the loss fell' if fell else 'FAILED: the loss did not fall'}")
     if not fell:
         raise SystemExit(1)
 
+
+def print_summary(engine: zerospeed.Engine, args: argparse.Namespace, losses: list[float],
+                  val: tuple[float, float], elapsed: float, tokens: int, memory: list[float]) -> bool:
+    """Print the run's summary on rank 0; returns whether both train and validation loss fell."""
+    tail = losses[-min(10, len(losses)):]
+    last = sum(tail) / len(tail)
+    cuda = next(engine.module.parameters()).device.type == "cuda"
+    print("\nsummary")
+    print(f"  steps                {args.steps} ({tokens:,} tokens in {elapsed:.1f} s, "
+          f"{tokens / elapsed:,.0f} tokens/s)")
+    print(f"  train loss           {losses[0]:.3f} -> {last:.3f} "
+          f"(first step -> mean of last {len(tail)}; ln 256 = 5.545)")
+    print(f"  validation loss      {val[0]:.3f} -> {val[1]:.3f}")
+    print("  peak memory          " + ", ".join(f"rank {r}: {mb:.0f} MB" for r, mb in enumerate(memory))
+          + (" (max allocated)" if cuda else " (max RSS)"))
+    print(f"  optimizer steps      {engine.global_steps} applied, {engine.skipped_steps} skipped; "
+          f"final lr {engine.get_lr()[0]:.2e}")
+    print("  config beyond defaults (resolved; --full_config prints all of it):")
+    print(format_settings(non_default_settings(engine.config, engine.comm.world_size), "    "))
+    return last < losses[0] and val[1] < val[0]
 
 if __name__ == "__main__":
     main()
