@@ -26,6 +26,7 @@ class Net(nn.Module):
 def _config(world: int, accum: int) -> dict:
     return {
         "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": accum, "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.05, "weight_decay": 0.01}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.05,
                                                       "warmup_num_steps": 3, "warmup_type": "linear"}},
         "zero_optimization": {"stage": 0, "reduce_bucket_size": 50},
@@ -68,9 +69,7 @@ def _train(accum: int) -> list[torch.Tensor]:
     if rank == 0:
         torch.manual_seed(0)
         model = Net()
-    engine, opt, _, sched = zerospeed.initialize(
-        model=model, config=_config(world, accum),
-        optimizer=lambda params: torch.optim.AdamW(params, lr=0.05, weight_decay=0.01))
+    engine, opt, _, sched = zerospeed.initialize(model=model, config=_config(world, accum))
     x, y = _data(world, accum)
     per_step = world * accum * MICRO
     for step in range(STEPS):
