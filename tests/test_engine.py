@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -168,7 +170,7 @@ def _misuse() -> list[str]:
 def test_clear_errors() -> None:
     messages = run_distributed(_misuse, 2)[0]
     assert messages[0].startswith("engine.step() needs an optimizer")
-    assert messages[1].startswith("engine.step() at an accumulation boundary inside or after no_sync()")
+    assert messages[1].startswith("engine.step() at an accumulation boundary inside no_sync()")
     assert messages[2].startswith("train_batch_size: 8 != train_micro_batch_size_per_gpu (8) * "
                                   "gradient_accumulation_steps (1) * world_size (2) = 16")
     assert messages[3] == "zerospeed.initialize got a model as its first argument (args); pass it as model=..."
@@ -300,3 +302,27 @@ def test_args_config_auto_batch_loader_and_step_logging() -> None:
     assert (rank0["steps"], rank0["samples"]) == (3, 18)
     assert rank0["config_logged"] and not rank1["config_logged"]
     assert rank0["step_lines"] == ["step 2"] and rank1["step_lines"] == []
+
+
+def _no_sync_then_sync(accum: int) -> None:
+    """The DDP idiom: no_sync() for the first micro-batches of a window, the last one outside it."""
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    torch.manual_seed(0)
+    config = _config(world, accum)
+    engine, *_ = zerospeed.initialize(model=Net(), config=config)
+    x, y = _data(world, accum)
+    per_step = world * accum * MICRO
+    for step in range(STEPS):
+        for m in range(accum):
+            start = step * per_step + (rank * accum + m) * MICRO
+            rows = slice(start, start + MICRO)
+            context = engine.no_sync() if m < accum - 1 else contextlib.nullcontext()
+            with context:
+                engine.backward(nn.functional.mse_loss(engine(x[rows]), y[rows]))
+                engine.step()
+    for got, expected in zip(engine.module.parameters(), _reference(world, accum)):
+        torch.testing.assert_close(got.detach(), expected, rtol=0, atol=1e-5)
+
+
+def test_no_sync_for_all_but_the_last_micro_batch_matches_the_reference() -> None:
+    run_distributed(_no_sync_then_sync, 2, 3)

@@ -55,8 +55,7 @@ class Engine(nn.Module):
         self._step_applied = False
         self._global_grad_norm: float | None = None
         self._in_no_sync = False
-        self._window_had_no_sync = False
-        self._last_loss: float | None = None
+        self._last_loss: torch.Tensor | None = None
         self._tick = time.perf_counter()
 
     # -- sizes ----------------------------------------------------------------------------
@@ -83,7 +82,7 @@ class Engine(nn.Module):
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise ValueError(f"engine.backward expects a scalar loss tensor, got {type(loss).__name__}"
                              f"{'' if not isinstance(loss, torch.Tensor) else ' of shape ' + str(tuple(loss.shape))}")
-        self._last_loss = float(loss.detach())
+        self._last_loss = loss.detach()  # read only when reporting: no device sync per micro-batch
         self.buckets.reduce_this_step = self.is_gradient_accumulation_boundary() and not self._in_no_sync
         scaled = self.scaler.scale_loss(loss.float() / self.gradient_accumulation_steps())
         scaled.backward(retain_graph=retain_graph)
@@ -107,15 +106,12 @@ class Engine(nn.Module):
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         self._step_applied = False
-        if self._in_no_sync:
-            self._window_had_no_sync = True
         if not boundary:
             return
-        if self._in_no_sync or self._window_had_no_sync:
-            self._window_had_no_sync = False
-            raise RuntimeError("engine.step() at an accumulation boundary inside or after no_sync(): the "
-                               "gradients were never averaged across ranks; leave no_sync() for the last "
-                               "micro-batch of the window")
+        if self._in_no_sync:
+            raise RuntimeError("engine.step() at an accumulation boundary inside no_sync(): the gradients "
+                               "were never averaged across ranks; run the last micro-batch of the window "
+                               "outside no_sync()")
         self.buckets.finish()
         grads = self.buckets.flat_buffers()
         if self.scaler.loss_scale != 1.0:
@@ -192,5 +188,5 @@ class Engine(nn.Module):
         rate = every * self.train_batch_size() / max(now - self._tick, 1e-9)
         self._tick = now
         log.info("step %d  loss %.4f  lr %s  loss scale %g  %.1f samples/s", self.global_steps,
-                 self._last_loss or float("nan"), ", ".join(f"{lr:.3g}" for lr in self.get_lr()),
+                 float(self._last_loss) if self._last_loss is not None else float("nan"), ", ".join(f"{lr:.3g}" for lr in self.get_lr()),
                  self.scaler.loss_scale, rate)
