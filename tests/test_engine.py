@@ -84,9 +84,8 @@ def _train(accum: int) -> list[torch.Tensor]:
             assert engine.was_step_applied() == (m == accum - 1)
     assert engine.global_steps == STEPS and engine.skipped_steps == 0
     assert engine.get_lr() == sched.get_last_lr()
-    assert opt is engine.optimizer and opt.cur_scale == 1.0 and opt.param_groups[0]["lr"] == engine.get_lr()[0]
-    with pytest.raises(RuntimeError, match=r"call engine.step\(\) instead of optimizer.step\(\)"):
-        opt.step()
+    assert opt is engine.optimizer and isinstance(opt, torch.optim.AdamW) and opt.cur_scale == 1.0
+    assert opt.param_groups[0]["lr"] == engine.get_lr()[0]
     reference = _reference(world, accum)
     for got, expected in zip(engine.module.parameters(), reference):
         torch.testing.assert_close(got.detach(), expected, rtol=0, atol=1e-5)
@@ -115,7 +114,8 @@ def _overflow_on_one_rank() -> dict:
         loss = nn.functional.mse_loss(engine(x[rows]).float(), y[rows])
         if step == 1:
             before = [p.detach().clone() for p in engine.module.parameters()]
-            state_before = [opt.state[p]["exp_avg"].clone() for p in opt.param_groups[0]["params"]]
+            state_before = [{k: torch.as_tensor(v).clone() for k, v in opt.state[p].items()}
+                            for p in opt.param_groups[0]["params"]]
             lr_before, scale_before = engine.get_lr(), engine.cur_scale
             if rank == 1:
                 loss = loss * float("inf")  # only this rank overflows
@@ -124,8 +124,9 @@ def _overflow_on_one_rank() -> dict:
         if step == 1:
             out["applied"] = engine.was_step_applied()
             out["params_kept"] = all(torch.equal(a, b.detach()) for a, b in zip(before, engine.module.parameters()))
-            out["state_kept"] = all(torch.equal(a, opt.state[p]["exp_avg"])
-                                    for a, p in zip(state_before, opt.param_groups[0]["params"]))
+            out["state_kept"] = all(torch.equal(v, torch.as_tensor(opt.state[p][k]))
+                                    for a, p in zip(state_before, opt.param_groups[0]["params"])
+                                    for k, v in a.items())
             out["lr_kept"] = engine.get_lr() == lr_before
             out["scale"] = (scale_before, engine.optimizer.cur_scale)
     out["skipped"], out["steps"] = engine.skipped_steps, engine.global_steps
@@ -134,8 +135,9 @@ def _overflow_on_one_rank() -> dict:
 
 def test_an_inf_on_one_rank_skips_the_step_everywhere() -> None:
     for result in run_distributed(_overflow_on_one_rank, 2):
+        # as in DeepSpeed, a skipped step still counts in global_steps
         assert result == {"applied": False, "params_kept": True, "state_kept": True, "lr_kept": True,
-                          "scale": (256.0, 128.0), "skipped": 1, "steps": 2}
+                          "scale": (256.0, 128.0), "skipped": 1, "steps": 3}
 
 
 def _misuse() -> list[str]:
@@ -155,6 +157,12 @@ def _misuse() -> list[str]:
             engine2.step()
         except RuntimeError as exc:
             messages.append(str(exc))
+    loss = engine2(torch.ones(2, 6)).sum()
+    engine2.backward(loss, retain_graph=True)
+    try:
+        engine2.backward(loss)
+    except RuntimeError as exc:
+        messages.append(str(exc))
     try:
         zerospeed.initialize(model=Net(), config={"train_batch_size": 8, "train_micro_batch_size_per_gpu": 8,
                                                    "gradient_accumulation_steps": 1})
@@ -170,10 +178,11 @@ def _misuse() -> list[str]:
 def test_clear_errors() -> None:
     messages = run_distributed(_misuse, 2)[0]
     assert messages[0].startswith("engine.step() needs an optimizer")
-    assert messages[1].startswith("engine.step() at an accumulation boundary inside no_sync()")
-    assert messages[2].startswith("train_batch_size: 8 != train_micro_batch_size_per_gpu (8) * "
+    assert messages[1].startswith("engine.step() inside no_sync() (as in DeepSpeed, this is not allowed)")
+    assert messages[2].startswith("a second engine.backward() on the last micro-batch of an accumulation window")
+    assert messages[3].startswith("train_batch_size: 8 != train_micro_batch_size_per_gpu (8) * "
                                   "gradient_accumulation_steps (1) * world_size (2) = 16")
-    assert messages[3] == "zerospeed.initialize got a model as its first argument (args); pass it as model=..."
+    assert messages[4] == "zerospeed.initialize got a model as its first argument (args); pass it as model=..."
 
 
 def _reference_with(opt_factory, world: int, accum: int) -> list[torch.Tensor]:
@@ -305,7 +314,8 @@ def test_args_config_auto_batch_loader_and_step_logging() -> None:
 
 
 def _no_sync_then_sync(accum: int) -> None:
-    """The DDP idiom: no_sync() for the first micro-batches of a window, the last one outside it."""
+    """The DDP idiom: backward under no_sync() for the first micro-batches of a window, the last one
+    outside it, engine.step() after each (outside no_sync, as DeepSpeed requires)."""
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     torch.manual_seed(0)
     config = _config(world, accum)
@@ -319,10 +329,26 @@ def _no_sync_then_sync(accum: int) -> None:
             context = engine.no_sync() if m < accum - 1 else contextlib.nullcontext()
             with context:
                 engine.backward(nn.functional.mse_loss(engine(x[rows]), y[rows]))
-                engine.step()
+            engine.step()
     for got, expected in zip(engine.module.parameters(), _reference(world, accum)):
         torch.testing.assert_close(got.detach(), expected, rtol=0, atol=1e-5)
 
 
 def test_no_sync_for_all_but_the_last_micro_batch_matches_the_reference() -> None:
     run_distributed(_no_sync_then_sync, 2, 3)
+
+
+def _torch_scheduler_on_the_returned_optimizer() -> list[float]:
+    torch.manual_seed(0)
+    engine, opt, _, _ = zerospeed.initialize(model=Net(), config={"train_micro_batch_size_per_gpu": 2},
+                                             optimizer=lambda p: torch.optim.SGD(p, lr=1.0))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    engine.lr_scheduler = sched
+    for _ in range(3):
+        engine.backward(engine(torch.ones(2, 6)).sum())
+        engine.step()
+    return engine.get_lr()
+
+
+def test_torch_schedulers_accept_the_returned_optimizer() -> None:
+    assert run_distributed(_torch_scheduler_on_the_returned_optimizer, 2)[0] == [0.125]

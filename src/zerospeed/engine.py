@@ -18,7 +18,6 @@ from torch import nn
 
 from zerospeed.config import Config
 from zerospeed.dist.comm import Comm
-from zerospeed.optim.wrapper import EngineOptimizer
 from zerospeed.zero.grads import GradBuckets, ReductionPolicy
 
 log = logging.getLogger("zerospeed")
@@ -37,9 +36,10 @@ class Engine(nn.Module):
         self.policy = policy
         self.lr_scheduler = lr_scheduler
         self.scaler = policy.make_scaler()
-        self._optimizer = optimizer  # the torch optimizer the engine steps
-        # what user code sees (DeepSpeed's wrapper: live ``cur_scale``, stepping only via the engine)
-        self.optimizer = EngineOptimizer(optimizer, self.scaler) if optimizer is not None else None
+        # The torch optimizer itself, as DeepSpeed hands back at stage 0, so torch schedulers accept
+        # it; ``optimizer.cur_scale`` is kept equal to the live loss scale for scripts that read it.
+        self.optimizer = optimizer
+        self._publish_scale()
         self._model_params = [p for p in module.parameters() if p.requires_grad]
         self._master_params = master_params if master_params is not None else self._model_params
         self.buckets = GradBuckets(
@@ -100,7 +100,10 @@ class Engine(nn.Module):
     # -- step -----------------------------------------------------------------------------
     def step(self) -> None:
         """Call after every micro-batch; updates the weights at the end of each accumulation window."""
-        if self._optimizer is None:
+        if self._in_no_sync:
+            raise RuntimeError("engine.step() inside no_sync() (as in DeepSpeed, this is not allowed): run "
+                               "backward inside no_sync() and call engine.step() outside it")
+        if self.optimizer is None:
             raise RuntimeError("engine.step() needs an optimizer: pass optimizer= to zerospeed.initialize "
                                "or add an \"optimizer\" section to the config")
         boundary = self.is_gradient_accumulation_boundary()
@@ -108,10 +111,6 @@ class Engine(nn.Module):
         self._step_applied = False
         if not boundary:
             return
-        if self._in_no_sync:
-            raise RuntimeError("engine.step() at an accumulation boundary inside no_sync(): the gradients "
-                               "were never averaged across ranks; run the last micro-batch of the window "
-                               "outside no_sync()")
         self.buckets.finish()
         grads = self.buckets.flat_buffers()
         if self.scaler.loss_scale != 1.0:
@@ -120,32 +119,41 @@ class Engine(nn.Module):
         # The all-reduce has already spread any rank's inf/nan to every rank: one local check agrees.
         overflow = self.policy.check_overflow and self.scaler.has_overflow(grads)
         self.scaler.update(overflow)
-        if overflow:
+        self._publish_scale()
+        if overflow:  # DeepSpeed counts a skipped step as a step (global_steps, global_samples)
             self.skipped_steps += 1
+            self._count_step()
             self._finish_window()
             return
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32)
                                                      for g in grads]))
         self._global_grad_norm = float(norm)
         clip = float(self.config.gradient_clipping)
-        if clip > 0 and self._global_grad_norm > clip:
-            factor = clip / (self._global_grad_norm + 1e-6)
+        factor = clip / (self._global_grad_norm + 1e-6) if clip > 0 else 1.0
+        if factor < 1.0:  # torch's and DeepSpeed's clip_grad_norm rule
             for flat in grads:
                 flat.mul_(factor)
-        for master, model in zip(self._master_params, self._model_params):
+        for master, model in zip(self._master_params, self._model_params, strict=True):
             master.grad = self.buckets.grad_of(model).to(master.dtype)
-        self._optimizer.step()
+        self.optimizer.step()
         if self._master_params is not self._model_params:
             with torch.no_grad():
-                for master, model in zip(self._master_params, self._model_params):
+                for master, model in zip(self._master_params, self._model_params, strict=True):
                     model.copy_(master)
         self._step_applied = True
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
-        self.global_steps += 1
-        self.global_samples += self.train_batch_size()
+        self._count_step()
         self._finish_window()
         self._report()
+
+    def _count_step(self) -> None:
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+
+    def _publish_scale(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.cur_scale = float(self.scaler.loss_scale)
 
     def _finish_window(self) -> None:
         for p in self._master_params:
@@ -172,9 +180,9 @@ class Engine(nn.Module):
         return [group.get("betas", group.get("momentum")) for group in self._optimizer_groups()]
 
     def _optimizer_groups(self) -> list[dict]:
-        if self._optimizer is None:
+        if self.optimizer is None:
             raise RuntimeError("no optimizer: pass optimizer= to zerospeed.initialize or configure one")
-        return self._optimizer.param_groups
+        return self.optimizer.param_groups
 
     @property
     def cur_scale(self) -> float:

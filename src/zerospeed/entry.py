@@ -77,7 +77,7 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     _ensure_log_handler()
     if comm.rank == 0:
         log.info("zerospeed config (resolved, every default in force):\n%s", cfg.to_json())
-    return engine, engine.optimizer, loader, sched
+    return engine, opt, loader, sched
 
 
 def _ensure_log_handler() -> None:
@@ -129,6 +129,9 @@ def _master_params(model: nn.Module, policy: Any) -> list[nn.Parameter] | None:
 
 def _build_optimizer(optimizer: Any, model_parameters: Any, model: nn.Module,
                      master: list[nn.Parameter] | None, cfg: Config) -> torch.optim.Optimizer | None:
+    if optimizer is not None and cfg.optimizer is not None:
+        raise ValueError("an optimizer was passed to initialize and the config has an \"optimizer\" section; "
+                         "keep one of them")
     params = list(model_parameters) if model_parameters is not None else [p for p in model.parameters() if p.requires_grad]
     if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer(params)
@@ -136,9 +139,6 @@ def _build_optimizer(optimizer: Any, model_parameters: Any, model: nn.Module,
         from zerospeed.optim.factory import build_optimizer
 
         optimizer = build_optimizer(cfg.optimizer, params)
-    elif optimizer is not None and cfg.optimizer is not None:
-        raise ValueError("an optimizer was passed to initialize and the config has an \"optimizer\" section; "
-                         "keep one of them")
     if optimizer is not None and master is not None:
         _swap_to_master(optimizer, model, master)
     return optimizer
@@ -146,7 +146,7 @@ def _build_optimizer(optimizer: Any, model_parameters: Any, model: nn.Module,
 
 def _swap_to_master(optimizer: torch.optim.Optimizer, model: nn.Module, master: list[nn.Parameter]) -> None:
     """Point the optimizer's groups at the fp32 masters (its state is still empty here)."""
-    by_id = {id(p): m for p, m in zip([p for p in model.parameters() if p.requires_grad], master)}
+    by_id = {id(p): m for p, m in zip([p for p in model.parameters() if p.requires_grad], master, strict=True)}
     for group in optimizer.param_groups:
         group["params"] = [by_id.get(id(p), p) for p in group["params"]]
 

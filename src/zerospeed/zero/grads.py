@@ -99,6 +99,7 @@ class GradBuckets:
         self._index = {id(p): i for i, p in enumerate(trainable)}
         self._observed: list[int] = []  # hook order of the first reducing step
         self._relaid = False
+        self._finished_once = False  # every rank sets it in finish(): the re-layout never depends on local data
         self.reduce_this_step = True  # the engine turns this off inside an accumulation window
         self._next_launch = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in trainable]
@@ -117,6 +118,10 @@ class GradBuckets:
     def _on_grad(self, param: torch.Tensor) -> None:
         b, slot = self._where[id(param)]
         bucket = self.buckets[b]
+        if bucket.handle is not None:
+            raise RuntimeError("a second engine.backward() on the last micro-batch of an accumulation window: "
+                               "its gradients were already sent for averaging; call backward once per "
+                               "micro-batch (add the losses first)")
         if param.grad is not None:
             bucket.views[slot].add_(param.grad)
             param.grad = None  # the bucket holds it now; free the parameter-dtype copy
@@ -148,6 +153,7 @@ class GradBuckets:
         for bucket in self.buckets[self._next_launch:]:
             self._launch(bucket)
         self._next_launch = len(self.buckets)
+        self._finished_once = True
         world = self.comm.world_size
         for bucket in self.buckets:
             assert bucket.handle is not None and bucket.wire is not None
@@ -181,7 +187,7 @@ class GradBuckets:
 
     def zero(self) -> None:
         """Start a new accumulation window (after the first, with buckets in the observed order)."""
-        if not self._relaid and self._observed:
+        if not self._relaid and self._finished_once:
             self._relay()
         for bucket in self.buckets:
             bucket.buffer.zero_()
