@@ -24,7 +24,11 @@ log = logging.getLogger("zerospeed")
 
 
 class Engine(nn.Module):
-    """Wraps ``module`` for data-parallel training; see :func:`zerospeed.initialize`."""
+    """Wraps ``module`` for data-parallel training; see :func:`zerospeed.initialize`.
+
+    Gradients live in the engine's flat buckets, not in ``param.grad`` (which backward leaves None):
+    read an averaged gradient with ``engine.buckets.grad_of(param)`` after the boundary step.
+    """
 
     def __init__(self, module: nn.Module, cfg: Config, comm: Comm, policy: Any,
                  optimizer: torch.optim.Optimizer | None, lr_scheduler: Any = None,

@@ -56,7 +56,7 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     info = init_distributed(dist_init_required=dist_init_required)
     mesh = ParallelDims(world_size=torch.distributed.get_world_size()).build()
     comm = mesh.dp
-    cfg = _resolved_config(source, comm.world_size, training_data)
+    cfg = _resolved_config(source, comm.world_size)
     cfg.check_implemented(IMPLEMENTED)
 
     from zerospeed.precision.policy import policy_from_config
@@ -92,7 +92,7 @@ def _ensure_log_handler() -> None:
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
-def _resolved_config(source: Any, world: int, training_data: Any) -> Config:
+def _resolved_config(source: Any, world: int) -> Config:
     """Load the config and fill the ``"auto"`` values the engine can know; refuse the rest by name.
 
     Batch sizes set to ``"auto"`` are derived from the ones that are given and the world size

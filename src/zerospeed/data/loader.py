@@ -96,17 +96,3 @@ class RepeatingLoader:
                 return next(self._it)
             except StopIteration:
                 raise ValueError("RepeatingLoader: the wrapped loader yields nothing") from None
-
-
-def first_tensor_batch_size(batch: Any) -> int:
-    """The leading dimension of the first tensor in a (nested) batch, for sample counting."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else 1
-    if isinstance(batch, dict):
-        batch = list(batch.values())
-    if isinstance(batch, (list, tuple)):
-        for item in batch:
-            size = first_tensor_batch_size(item)
-            if size:
-                return size
-    return 0
