@@ -41,13 +41,12 @@ def _data(world: int, accum: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 6, generator=gen) * 3, torch.randn(n, 3, generator=gen)
 
 
-def _reference(world: int, accum: int) -> list[torch.Tensor]:
-    from zerospeed.optim.schedules import WarmupLR
-
+def _reference_with(opt_factory, world: int, accum: int, sched_factory=None) -> list[torch.Tensor]:
+    """Plain single-process PyTorch on the same global batches: the result every parity test expects."""
     torch.manual_seed(0)
     model = Net()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
-    sched = WarmupLR(opt, warmup_min_lr=0.0, warmup_max_lr=0.05, warmup_num_steps=3, warmup_type="linear")
+    opt = opt_factory(model.parameters())
+    sched = sched_factory(opt) if sched_factory is not None else None
     x, y = _data(world, accum)
     per_step = world * accum * MICRO
     for step in range(STEPS):
@@ -59,8 +58,17 @@ def _reference(world: int, accum: int) -> list[torch.Tensor]:
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
-        sched.step()
+        if sched is not None:
+            sched.step()
     return [p.detach() for p in model.parameters()]
+
+
+def _reference(world: int, accum: int) -> list[torch.Tensor]:
+    from zerospeed.optim.schedules import WarmupLR
+
+    return _reference_with(
+        lambda params: torch.optim.AdamW(params, lr=0.05, weight_decay=0.01), world, accum,
+        lambda opt: WarmupLR(opt, warmup_min_lr=0.0, warmup_max_lr=0.05, warmup_num_steps=3, warmup_type="linear"))
 
 
 def _train(accum: int) -> list[torch.Tensor]:
@@ -183,23 +191,6 @@ def test_clear_errors() -> None:
     assert messages[3].startswith("train_batch_size: 8 != train_micro_batch_size_per_gpu (8) * "
                                   "gradient_accumulation_steps (1) * world_size (2) = 16")
     assert messages[4] == "zerospeed.initialize got a model as its first argument (args); pass it as model=..."
-
-
-def _reference_with(opt_factory, world: int, accum: int) -> list[torch.Tensor]:
-    torch.manual_seed(0)
-    model = Net()
-    opt = opt_factory(model.parameters())
-    x, y = _data(world, accum)
-    per_step = world * accum * MICRO
-    for step in range(STEPS):
-        for r in range(world):
-            for m in range(accum):
-                start = step * per_step + (r * accum + m) * MICRO
-                (nn.functional.mse_loss(model(x[start:start + MICRO]), y[start:start + MICRO]) / accum / world).backward()
-        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-    return [p.detach() for p in model.parameters()]
 
 
 def _train_from_config(optimizer_section: dict, accum: int) -> None:
