@@ -343,3 +343,49 @@ def _torch_scheduler_on_the_returned_optimizer() -> list[float]:
 
 def test_torch_schedulers_accept_the_returned_optimizer() -> None:
     assert run_distributed(_torch_scheduler_on_the_returned_optimizer, 2)[0] == [0.125]
+
+
+class TiedFrozen(nn.Module):
+    """A tied weight (used twice), a frozen layer and a buffer: what real models carry."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(6, 6)
+        self.frozen = nn.Linear(6, 6)
+        self.frozen.requires_grad_(False)
+        self.register_buffer("shift", torch.linspace(-1, 1, 6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.proj(x) + self.shift)
+        h = self.frozen(h)
+        return nn.functional.linear(h, self.proj.weight)[:, :3]  # proj.weight again
+
+
+def _tied_frozen() -> None:
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    torch.manual_seed(0)
+    engine, *_ = zerospeed.initialize(model=TiedFrozen(), config={
+        "train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 1.0,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}})
+    x, y = _data(world, 1)
+    for step in range(STEPS):
+        start = step * world * MICRO + rank * MICRO
+        engine.backward(nn.functional.mse_loss(engine(x[start:start + MICRO]), y[start:start + MICRO]))
+        engine.step()
+    torch.manual_seed(0)
+    ref = TiedFrozen()
+    opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        for r in range(world):
+            start = step * world * MICRO + r * MICRO
+            (nn.functional.mse_loss(ref(x[start:start + MICRO]), y[start:start + MICRO]) / world).backward()
+        nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.requires_grad], 1.0)
+        opt.step()
+        opt.zero_grad()
+    for (name, got), expected in zip(engine.module.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(got.detach(), expected.detach(), rtol=0, atol=1e-5, msg=name)
+    assert torch.equal(engine.module.frozen.weight, ref.frozen.weight)  # never updated
+
+
+def test_tied_and_frozen_parameters_match_the_reference() -> None:
+    run_distributed(_tied_frozen, 2)
