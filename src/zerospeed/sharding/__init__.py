@@ -1,0 +1,5 @@
+"""Pure plans of who owns which bytes (ZeRO partitioning)."""
+
+from zerospeed.sharding.plan import DEFAULT_ALIGN, ParamSlot, Piece, ShardPlan, UnitPlan
+
+__all__ = ["DEFAULT_ALIGN", "ParamSlot", "Piece", "ShardPlan", "UnitPlan"]
