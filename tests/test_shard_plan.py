@@ -61,3 +61,41 @@ def test_lookups_and_errors() -> None:
         ShardPlan.build([], world_size=0)
     with pytest.raises(ValueError, match="align=0 must be >= 1 element"):
         ShardPlan.build([], world_size=2, align=0)
+
+
+def test_units_from_a_gpt_like_module_tree() -> None:
+    from torch import nn
+
+    from zerospeed.sharding.units import module_units, repeated_block_classes
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(4)
+            self.mlp = nn.Linear(4, 4)
+
+    class Tiny(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(10, 4)
+            self.blocks = nn.ModuleList([Block(), Block()])
+            self.final_norm = nn.LayerNorm(4)
+            self.head = nn.Linear(4, 10, bias=False)
+            self.head.weight = self.embed.weight  # tied
+            self.scale = nn.Parameter(nn.init.ones_(nn.Linear(1, 1).weight.new_empty(1)))
+
+    model = Tiny()
+    assert repeated_block_classes(model) == (Block,)
+    units = module_units(model)
+    # a module's own parameters come first in registration order, then its children's
+    assert [name for name, _ in units] == ["<root>", "embed", "blocks.0", "blocks.1", "final_norm"]
+    assert dict(units)["blocks.1"] == [("blocks.1.norm.weight", (4,)), ("blocks.1.norm.bias", (4,)),
+                                       ("blocks.1.mlp.weight", (4, 4)), ("blocks.1.mlp.bias", (4,))]
+    assert dict(units)["embed"] == [("embed.weight", (10, 4))]  # the tied head weight is not repeated
+    assert dict(units)["<root>"] == [("scale", (1,))]
+    plan = ShardPlan.build(units, world_size=2)
+    assert plan.numel == sum(p.numel() for p in model.parameters())
+    # an explicit policy: every LayerNorm is its own unit, the rest follows the top-level children
+    by_norm = module_units(model, unit_classes=[nn.LayerNorm])
+    assert [name for name, _ in by_norm] == ["<root>", "embed", "blocks.0.norm", "blocks", "blocks.1.norm",
+                                             "final_norm"]

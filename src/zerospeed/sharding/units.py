@@ -1,0 +1,44 @@
+"""Choose ZeRO-3 units from a model's module tree (what is gathered, used and released together).
+
+By default the blocks a model repeats — the items of its ``nn.ModuleList``s, e.g. transformer
+layers — become one unit each; every other parameter joins a unit named after the top-level child
+that holds it (``embed``, ``final_norm``...), or ``<root>`` for the model's own parameters. Pass
+``unit_classes`` to choose the block classes yourself (like FSDP's wrap policy). A parameter shared
+by several modules (tied weights) belongs to the first unit that reaches it.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from torch import nn
+
+Units = list[tuple[str, list[tuple[str, tuple[int, ...]]]]]
+ROOT = "<root>"
+
+
+def repeated_block_classes(model: nn.Module) -> tuple[type, ...]:
+    """Classes of the items of every ``nn.ModuleList`` in ``model`` (its repeated blocks)."""
+    found: list[type] = []
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList):
+            for child in module:
+                if type(child) not in found and any(True for _ in child.parameters()):
+                    found.append(type(child))
+    return tuple(found)
+
+
+def module_units(model: nn.Module, unit_classes: Sequence[type] | None = None) -> Units:
+    """``(unit name, [(param name, shape), ...])`` in the order parameters are registered."""
+    classes = tuple(unit_classes) if unit_classes is not None else repeated_block_classes(model)
+    block_of: dict[str, str] = {}  # module path -> the unit it belongs to
+    for path, module in model.named_modules():
+        if path and isinstance(module, classes) and not any(path.startswith(p + ".") for p in block_of):
+            block_of[path] = path
+    units: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+    for name, param in model.named_parameters():  # each parameter once, under its first name
+        owner = next((unit for path, unit in block_of.items() if name.startswith(path + ".")), None)
+        if owner is None:
+            owner = name.split(".", 1)[0] if "." in name else ROOT
+        units.setdefault(owner, []).append((name, tuple(param.shape)))
+    return list(units.items())
