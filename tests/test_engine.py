@@ -41,6 +41,12 @@ def _data(world: int, accum: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 6, generator=gen) * 3, torch.randn(n, 3, generator=gen)
 
 
+def _rows(step: int, rank: int, micro_step: int, world: int, accum: int) -> slice:
+    """Rows of the shared data set that ``rank`` trains on in micro-step ``micro_step`` of ``step``."""
+    start = step * world * accum * MICRO + (rank * accum + micro_step) * MICRO
+    return slice(start, start + MICRO)
+
+
 def _reference_with(opt_factory, world: int, accum: int, sched_factory=None) -> list[torch.Tensor]:
     """Plain single-process PyTorch on the same global batches: the result every parity test expects."""
     torch.manual_seed(0)
@@ -48,12 +54,10 @@ def _reference_with(opt_factory, world: int, accum: int, sched_factory=None) -> 
     opt = opt_factory(model.parameters())
     sched = sched_factory(opt) if sched_factory is not None else None
     x, y = _data(world, accum)
-    per_step = world * accum * MICRO
     for step in range(STEPS):
         for r in range(world):
             for m in range(accum):
-                start = step * per_step + (r * accum + m) * MICRO
-                rows = slice(start, start + MICRO)
+                rows = _rows(step, r, m, world, accum)
                 (nn.functional.mse_loss(model(x[rows]), y[rows]) / accum / world).backward()
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -81,11 +85,9 @@ def _train(accum: int) -> list[torch.Tensor]:
         model = Net()
     engine, opt, _, sched = zerospeed.initialize(model=model, config=_config(world, accum))
     x, y = _data(world, accum)
-    per_step = world * accum * MICRO
     for step in range(STEPS):
         for m in range(accum):
-            start = step * per_step + (rank * accum + m) * MICRO
-            rows = slice(start, start + MICRO)
+            rows = _rows(step, rank, m, world, accum)
             loss = nn.functional.mse_loss(engine(x[rows]), y[rows])
             engine.backward(loss)
             engine.step()
@@ -202,11 +204,10 @@ def _train_from_config(optimizer_section: dict, accum: int) -> None:
               "gradient_clipping": 1.0, "optimizer": optimizer_section}
     engine, *_ = zerospeed.initialize(model=Net(), config=config)
     x, y = _data(world, accum)
-    per_step = world * accum * MICRO
     for step in range(STEPS):
         for m in range(accum):
-            start = step * per_step + (rank * accum + m) * MICRO
-            engine.backward(nn.functional.mse_loss(engine(x[start:start + MICRO]), y[start:start + MICRO]))
+            rows = _rows(step, rank, m, world, accum)
+            engine.backward(nn.functional.mse_loss(engine(x[rows]), y[rows]))
             engine.step()
     params = optimizer_section["params"]
     if optimizer_section["type"] == "SGD":
@@ -312,11 +313,9 @@ def _no_sync_then_sync(accum: int) -> None:
     config = _config(world, accum)
     engine, *_ = zerospeed.initialize(model=Net(), config=config)
     x, y = _data(world, accum)
-    per_step = world * accum * MICRO
     for step in range(STEPS):
         for m in range(accum):
-            start = step * per_step + (rank * accum + m) * MICRO
-            rows = slice(start, start + MICRO)
+            rows = _rows(step, rank, m, world, accum)
             context = engine.no_sync() if m < accum - 1 else contextlib.nullcontext()
             with context:
                 engine.backward(nn.functional.mse_loss(engine(x[rows]), y[rows]))
@@ -369,16 +368,16 @@ def _tied_frozen() -> None:
         "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}})
     x, y = _data(world, 1)
     for step in range(STEPS):
-        start = step * world * MICRO + rank * MICRO
-        engine.backward(nn.functional.mse_loss(engine(x[start:start + MICRO]), y[start:start + MICRO]))
+        rows = _rows(step, rank, 0, world, 1)
+        engine.backward(nn.functional.mse_loss(engine(x[rows]), y[rows]))
         engine.step()
     torch.manual_seed(0)
     ref = TiedFrozen()
     opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
     for step in range(STEPS):
         for r in range(world):
-            start = step * world * MICRO + r * MICRO
-            (nn.functional.mse_loss(ref(x[start:start + MICRO]), y[start:start + MICRO]) / world).backward()
+            rows = _rows(step, r, 0, world, 1)
+            (nn.functional.mse_loss(ref(x[rows]), y[rows]) / world).backward()
         nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.requires_grad], 1.0)
         opt.step()
         opt.zero_grad()

@@ -1,6 +1,6 @@
 """DeepSpeed's ``deepspeed.runtime.lr_schedules`` names, so ``zerospeed.lr_schedules.WarmupLR`` works."""
 
-from .optim.schedules import (
+from zerospeed.optim import (
     SCHEDULES,
     LRRangeTest,
     OneCycle,
