@@ -99,3 +99,27 @@ def test_units_from_a_gpt_like_module_tree() -> None:
     by_norm = module_units(model, unit_classes=[nn.LayerNorm])
     assert [name for name, _ in by_norm] == ["<root>", "embed", "blocks.0.norm", "blocks", "blocks.1.norm",
                                              "final_norm"]
+
+
+def test_flat_unit_views_shards_and_round_trip() -> None:
+    import torch
+
+    from zerospeed.sharding import FlatUnit
+
+    plan = ShardPlan.build([("u", [("w", (2, 3)), ("b", (5,))])], world_size=3, align=2)
+    unit = plan.units[0]
+    tensors = {"w": torch.arange(6.0).view(2, 3), "b": torch.arange(10.0, 15.0)}
+    flat = FlatUnit.from_tensors(unit, tensors, dtype=torch.float64)
+    assert flat.buffer.dtype == torch.float64 and flat.buffer.numel() == unit.padded_numel == 12
+    assert flat.buffer.tolist() == [0, 1, 2, 3, 4, 5, 10, 11, 12, 13, 14, 0]  # padding is zero
+    assert torch.equal(torch.cat([flat.shard(r) for r in range(3)]), flat.buffer)
+    for rank in range(3):  # each piece of the plan is where the plan says it is
+        for piece in unit.pieces(rank):
+            expected = tensors[piece.param].reshape(-1)[piece.start:piece.end].double()
+            assert torch.equal(flat.shard(rank)[piece.shard_offset: piece.shard_offset + piece.numel], expected)
+    flat.views["b"][0] = -1.0  # views alias the buffer
+    assert flat.buffer[6] == -1.0
+    with pytest.raises(ValueError, match=r"w: shape \(3, 2\) does not match the plan's \(2, 3\)"):
+        FlatUnit.from_tensors(unit, {"w": torch.zeros(3, 2), "b": torch.zeros(5)})
+    with pytest.raises(KeyError, match=r"unit 'u' needs tensors for \['b'\]"):
+        FlatUnit.from_tensors(unit, {"w": torch.zeros(2, 3)})
