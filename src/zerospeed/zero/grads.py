@@ -78,6 +78,7 @@ class _Bucket:
             self.views.append(self.buffer[offset: offset + p.numel()].view(p.shape))
             offset += p.numel()
         self.ready: set[int] = set()
+        self.written = [False] * len(params)  # slots holding this window's gradient (else stale)
         self.handle: Handle | None = None
         self.wire: torch.Tensor | None = None  # the buffer in the reduce dtype, while in flight
 
@@ -123,7 +124,11 @@ class GradBuckets:
                                "its gradients were already sent for averaging; call backward once per "
                                "micro-batch (add the losses first)")
         if param.grad is not None:
-            bucket.views[slot].add_(param.grad)
+            if bucket.written[slot]:
+                bucket.views[slot].add_(param.grad)
+            else:  # the window's first gradient overwrites: no zeroing pass over the buckets per step
+                bucket.views[slot].copy_(param.grad)
+                bucket.written[slot] = True
             param.grad = None  # the bucket holds it now; free the parameter-dtype copy
         if self.reduce_this_step:
             if not self._relaid:
@@ -140,6 +145,10 @@ class GradBuckets:
             self._next_launch += 1
 
     def _launch(self, bucket: _Bucket) -> None:
+        for slot, written in enumerate(bucket.written):
+            if not written:  # no gradient this window (unused parameter): it counts as zero
+                bucket.views[slot].zero_()
+                bucket.written[slot] = True
         world = self.comm.world_size
         dtype = self.policy.reduce_dtype
         wire = bucket.buffer if dtype is None or dtype == bucket.buffer.dtype else bucket.buffer.to(dtype)
@@ -186,11 +195,15 @@ class GradBuckets:
         return [bucket.buffer for bucket in self.buckets]
 
     def zero(self) -> None:
-        """Start a new accumulation window (after the first, with buckets in the observed order)."""
+        """Start a new accumulation window (after the first, with buckets in the observed order).
+
+        Nothing is cleared in memory: each slot is overwritten by its first gradient of the window,
+        or zeroed when its bucket is sent without one, so buffers are only meaningful after ``finish``.
+        """
         if not self._relaid and self._finished_once:
             self._relay()
         for bucket in self.buckets:
-            bucket.buffer.zero_()
+            bucket.written = [False] * len(bucket.params)
             bucket.ready.clear()
         self._next_launch = 0
 
