@@ -78,7 +78,7 @@ class Engine(nn.Module):
 
     # -- forward / backward ----------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        args, kwargs = self.policy.cast_inputs((args, kwargs))
+        args, kwargs = self.policy.cast_forward_args(args, kwargs)
         return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:

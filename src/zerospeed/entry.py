@@ -65,8 +65,9 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     model.to(get_accelerator().device(info.local_rank))
     policy.cast_module(model)
     _broadcast_from_rank0(model, comm)
-    master = _master_params(model, policy)
-    opt = _build_optimizer(optimizer, model_parameters, model, master, cfg)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    master = _master_params(trainable, policy)
+    opt = _build_optimizer(optimizer, model_parameters, trainable, master, cfg)
     sched = _build_scheduler(lr_scheduler, opt, cfg)
     loader = None
     if training_data is not None:
@@ -120,19 +121,19 @@ def _broadcast_from_rank0(model: nn.Module, comm: Comm) -> None:
             comm.broadcast(tensor.data, src=0)
 
 
-def _master_params(model: nn.Module, policy: Any) -> list[nn.Parameter] | None:
+def _master_params(trainable: list[nn.Parameter], policy: Any) -> list[nn.Parameter] | None:
     """fp32 master copies of the trainable parameters when the model computes in lower precision."""
     if not policy.needs_master_copy:
         return None
-    return [nn.Parameter(p.detach().to(policy.master_dtype).clone()) for p in model.parameters() if p.requires_grad]
+    return [nn.Parameter(p.detach().to(policy.master_dtype).clone()) for p in trainable]
 
 
-def _build_optimizer(optimizer: Any, model_parameters: Any, model: nn.Module,
+def _build_optimizer(optimizer: Any, model_parameters: Any, trainable: list[nn.Parameter],
                      master: list[nn.Parameter] | None, cfg: Config) -> torch.optim.Optimizer | None:
     if optimizer is not None and cfg.optimizer is not None:
         raise ValueError("an optimizer was passed to initialize and the config has an \"optimizer\" section; "
                          "keep one of them")
-    params = list(model_parameters) if model_parameters is not None else [p for p in model.parameters() if p.requires_grad]
+    params = list(model_parameters) if model_parameters is not None else list(trainable)
     if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer(params)
     if optimizer is None and cfg.optimizer is not None:
@@ -140,13 +141,14 @@ def _build_optimizer(optimizer: Any, model_parameters: Any, model: nn.Module,
 
         optimizer = build_optimizer(cfg.optimizer, params)
     if optimizer is not None and master is not None:
-        _swap_to_master(optimizer, model, master)
+        _swap_to_master(optimizer, trainable, master)
     return optimizer
 
 
-def _swap_to_master(optimizer: torch.optim.Optimizer, model: nn.Module, master: list[nn.Parameter]) -> None:
+def _swap_to_master(optimizer: torch.optim.Optimizer, trainable: list[nn.Parameter],
+                    master: list[nn.Parameter]) -> None:
     """Point the optimizer's groups at the fp32 masters (its state is still empty here)."""
-    by_id = {id(p): m for p, m in zip([p for p in model.parameters() if p.requires_grad], master, strict=True)}
+    by_id = {id(p): m for p, m in zip(trainable, master, strict=True)}
     for group in optimizer.param_groups:
         group["params"] = [by_id.get(id(p), p) for p in group["params"]]
 

@@ -83,10 +83,7 @@ class MixedPrecisionPolicy:
     def cast_forward_args(self, args: tuple[Any, ...],
                           kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """:meth:`cast_inputs` applied to one forward call's ``*args`` and ``**kwargs``."""
-        dtype = self.input_dtype
-        if dtype is None:
-            return args, kwargs
-        return _cast_floating(args, dtype), _cast_floating(kwargs, dtype)
+        return self.cast_inputs(args), self.cast_inputs(kwargs)
 
 
 def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
