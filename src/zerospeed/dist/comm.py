@@ -40,6 +40,46 @@ _NATIVE_OPS = MappingProxyType({
 })
 
 
+# Backends whose all_gather / reduce_scatter are known to be right when this rank's part of the
+# big buffer *is* the small one (NCCL documents in-place use; gloo's all_gather gathers into a
+# scratch tensor and its reduce_scatter reduces a clone). Elsewhere Comm breaks the alias itself.
+_ALIAS_SAFE_BACKENDS = frozenset({"gloo", "nccl"})
+
+
+@dataclass(frozen=True)
+class ReduceScatterPolicy:
+    """When a reduce_scatter runs as an in-place all_reduce of its inputs plus taking this rank's slice.
+
+    Gloo's own reduce_scatter clones the whole input and all_reduces the clone, so when the caller
+    lets Comm clobber the inputs (``inputs_writable=True``) skipping that clone is faster from
+    some size on; NCCL's native reduce_scatter moves 1/world of the data an all_reduce moves, so
+    it always stays native. ``all_reduce_min_numel`` counts the elements of the whole input (all
+    ranks' parts); None means never. Every rank must use the same policy: it decides which
+    collective goes on the wire.
+    """
+
+    all_reduce_min_numel: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.all_reduce_min_numel is not None and self.all_reduce_min_numel < 0:
+            raise ValueError(f"all_reduce_min_numel={self.all_reduce_min_numel} must be >= 0 or None")
+
+    def use_all_reduce(self, numel: int) -> bool:
+        return self.all_reduce_min_numel is not None and numel >= self.all_reduce_min_numel
+
+    @classmethod
+    def for_backend(cls, backend: str) -> "ReduceScatterPolicy":
+        """The measured default for ``backend`` (see ``benchmarks/bench_comm.py --reduce-scatter``)."""
+        return _REDUCE_SCATTER_DEFAULTS.get(backend, NATIVE_REDUCE_SCATTER)
+
+
+NATIVE_REDUCE_SCATTER = ReduceScatterPolicy(None)
+ALL_REDUCE_REDUCE_SCATTER = ReduceScatterPolicy(0)
+_REDUCE_SCATTER_DEFAULTS = MappingProxyType({
+    "gloo": ReduceScatterPolicy(1 << 18),  # 256 Ki elements: fp32 and bf16, 2 and 4 ranks
+})
+
+
 class CollectiveError(RuntimeError):
     """A collective failed (a peer died or the network broke); the message says where peers were."""
 
@@ -105,7 +145,8 @@ class Handle:
 class Comm:
     """Collectives over one process group, with counters, a timeout and uneven-size support.
 
-    ``src``/``dst`` arguments are ranks *within this group*.
+    ``src``/``dst`` arguments are ranks *within this group*. ``reduce_scatter_policy`` defaults to
+    the measured one for the group's backend (:meth:`ReduceScatterPolicy.for_backend`).
     """
 
     def __init__(
@@ -116,6 +157,7 @@ class Comm:
         timeout: datetime.timedelta = DEFAULT_COMM_TIMEOUT,
         track_arrivals: bool = True,
         store: dist.Store | None = None,
+        reduce_scatter_policy: ReduceScatterPolicy | None = None,
     ):
         if not dist.is_initialized():
             raise RuntimeError(
@@ -131,6 +173,8 @@ class Comm:
         self.world_size = dist.get_world_size(group)
         self.global_ranks = tuple(dist.get_process_group_ranks(group))
         self._backend = dist.get_backend(group)
+        self.reduce_scatter_policy = reduce_scatter_policy or ReduceScatterPolicy.for_backend(self._backend)
+        self._alias_safe = self._backend in _ALIAS_SAFE_BACKENDS
         self.stats = CommStats()
         self._seq = 0
         self._store = (store or _default_store()) if track_arrivals else None
@@ -243,27 +287,48 @@ class Comm:
         return self._run("all_reduce", seq, work, async_op, finish)
 
     def reduce_scatter(self, output: torch.Tensor, inputs: torch.Tensor | Sequence[torch.Tensor],
-                       op: ReduceOpName = "sum", async_op: bool = False) -> Handle | None:
+                       op: ReduceOpName = "sum", async_op: bool = False, *,
+                       inputs_writable: bool = False) -> Handle | None:
         """Reduce across ranks and keep part ``rank`` in ``output``.
 
         ``inputs`` is either one tensor of ``world_size * output.numel()`` elements, or a list with
-        one tensor per rank whose sizes may differ (every rank passes the same sizes).
+        one tensor per rank whose sizes may differ (every rank passes the same sizes). ``output``
+        may be this rank's part of ``inputs`` (in place, as NCCL allows).
+
+        ``inputs_writable=True`` lets Comm leave anything in ``inputs`` outside ``output``
+        (garbage, partial sums), so the policy may run an in-place all_reduce instead of the
+        native collective. It must be the same on every rank. Counted as a reduce_scatter either way.
         """
         parts, width, even = self._rank_parts("reduce_scatter", inputs, output, "output")
         self._averager(output, op)  # validates op and dtype before any rank enters the collective
+        numel = sum(p.numel() for p in parts)
+        # Uneven parts are packed into a scratch buffer anyway, which is ours to clobber. Only
+        # facts every rank shares (sizes, policy, the flag) may pick the collective.
+        via_all_reduce = (inputs_writable or not even) and self.reduce_scatter_policy.use_all_reduce(numel)
         seq = self._enter("reduce_scatter", _nbytes(parts))
-        if even and isinstance(inputs, torch.Tensor) and inputs.is_contiguous() and output.is_contiguous():
-            send, recv = inputs.reshape(-1), output.reshape(-1)
+        flat = isinstance(inputs, torch.Tensor) and inputs.is_contiguous()
+        if via_all_reduce:
+            # reshape(-1) of a contiguous tensor is a view: the caller's buffer is reduced in place
+            buffer = inputs.reshape(-1) if flat else torch.cat([p.reshape(-1) for p in parts])
+            start = sum(p.numel() for p in parts[: self.rank])
+            recv = buffer[start: start + output.numel()]
+            work = dist.all_reduce(buffer, op=_NATIVE_OPS[op], group=self.group, async_op=True)
         else:
-            send = torch.zeros(self.world_size * width, dtype=output.dtype, device=output.device)
-            for i, part in enumerate(parts):
-                send[i * width: i * width + part.numel()].copy_(part.reshape(-1))
-            recv = torch.empty(width, dtype=output.dtype, device=output.device)
-        work = self._reduce_scatter(recv, send, op=_NATIVE_OPS[op], group=self.group, async_op=True)
+            if even and flat and output.is_contiguous():
+                send, recv = inputs.reshape(-1), output.reshape(-1)
+                if not self._alias_safe and _overlaps(send, recv):
+                    recv = torch.empty_like(recv)
+            else:
+                send = torch.zeros(self.world_size * width, dtype=output.dtype, device=output.device)
+                for i, part in enumerate(parts):
+                    send[i * width: i * width + part.numel()].copy_(part.reshape(-1))
+                recv = torch.empty(width, dtype=output.dtype, device=output.device)
+            work = self._reduce_scatter(recv, send, op=_NATIVE_OPS[op], group=self.group, async_op=True)
 
         def finish() -> None:
-            if recv.data_ptr() != output.data_ptr():
-                output.copy_(recv[: output.numel()].view(output.shape))
+            if not _same_view(recv, output):
+                mine = recv[: output.numel()].view(output.shape)
+                output.copy_(mine.clone() if _overlaps(mine, output) else mine)
             if op == "avg":
                 output.div_(self.world_size)
 
@@ -274,12 +339,16 @@ class Comm:
         """Gather every rank's ``input`` into ``outputs``.
 
         ``outputs`` is one tensor of ``world_size * input.numel()`` elements, or a list with one
-        tensor per rank whose sizes may differ (every rank passes the same sizes).
+        tensor per rank whose sizes may differ (every rank passes the same sizes). ``input`` may
+        be this rank's part of ``outputs`` (in place); on backends not known to allow that, the
+        input is copied aside first, and only then.
         """
         parts, width, even = self._rank_parts("all_gather", outputs, input, "input")
         seq = self._enter("all_gather", _nbytes(parts))
         if even and isinstance(outputs, torch.Tensor) and outputs.is_contiguous():
             send, recv = input.contiguous().reshape(-1), outputs.reshape(-1)
+            if not self._alias_safe and _overlaps(send, recv):
+                send = send.clone()
         else:
             send = torch.zeros(width, dtype=input.dtype, device=input.device)
             send[: input.numel()].copy_(input.reshape(-1))
@@ -390,6 +459,20 @@ class Comm:
     def _check_parts(self, what: str, parts: list[torch.Tensor]) -> None:
         if len(parts) != self.world_size:
             raise ValueError(f"{what}: got {len(parts)} tensors for a group of {self.world_size} ranks")
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors share any bytes of one storage (by extent: enough for flat views)."""
+    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a_lo, b_lo = a.data_ptr(), b.data_ptr()
+    return a_lo < b_lo + b.numel() * b.element_size() and b_lo < a_lo + a.numel() * a.element_size()
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same elements of the same storage (then no copy is needed)."""
+    return (a.data_ptr() == b.data_ptr() and a.numel() == b.numel() and a.dtype == b.dtype
+            and (a.numel() <= 1 or (a.is_contiguous() and b.is_contiguous())))
 
 
 def _default_store() -> dist.Store | None:
