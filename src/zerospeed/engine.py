@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from typing import Any, Iterator
 
@@ -18,7 +19,8 @@ from torch import nn
 
 from zerospeed.config import Config
 from zerospeed.dist.comm import Comm
-from zerospeed.zero.grads import GradBuckets, ReductionPolicy
+from zerospeed.zero.grads import ReductionPolicy
+from zerospeed.zero.replicated import ReplicatedState
 
 log = logging.getLogger("zerospeed")
 
@@ -26,13 +28,13 @@ log = logging.getLogger("zerospeed")
 class Engine(nn.Module):
     """Wraps ``module`` for data-parallel training; see :func:`zerospeed.initialize`.
 
-    Gradients live in the engine's flat buckets, not in ``param.grad`` (which backward leaves None):
-    read an averaged gradient with ``engine.buckets.grad_of(param)`` after the boundary step.
+    Gradients live in the engine's flat buffers, not in ``param.grad`` (which backward leaves None):
+    at stage 0 read an averaged gradient with ``engine.buckets.grad_of(param)`` after the boundary
+    step; at any stage ``zerospeed.utils.safe_get_full_grad(param)``.
     """
 
     def __init__(self, module: nn.Module, cfg: Config, comm: Comm, policy: Any,
-                 optimizer: torch.optim.Optimizer | None, lr_scheduler: Any = None,
-                 master_params: list[nn.Parameter] | None = None):
+                 optimizer: torch.optim.Optimizer | None, lr_scheduler: Any = None, state: Any = None):
         super().__init__()
         self.module = module
         self.config = cfg
@@ -40,18 +42,15 @@ class Engine(nn.Module):
         self.policy = policy
         self.lr_scheduler = lr_scheduler
         self.scaler = policy.make_scaler()
-        # The torch optimizer itself, as DeepSpeed hands back at stage 0, so torch schedulers accept
-        # it; ``optimizer.cur_scale`` is kept equal to the live loss scale for scripts that read it.
+        # The torch optimizer itself (over fp32 masters, or this rank's shards of them under ZeRO),
+        # so torch schedulers accept it; ``optimizer.cur_scale`` follows the live loss scale.
         self.optimizer = optimizer
         self._publish_scale()
-        self._model_params = [p for p in module.parameters() if p.requires_grad]
-        self._master_params = master_params if master_params is not None else self._model_params
-        self.buckets = GradBuckets(
-            self._model_params, comm, bucket_elems=int(cfg.zero_optimization.reduce_bucket_size),
-            accum_dtype=policy.grad_accum_dtype,
-            policy=ReductionPolicy(reduce_dtype=policy.reduce_dtype, prescale=cfg.prescale_gradients,
-                                   predivide_factor=cfg.gradient_predivide_factor),
-        )
+        # Where parameters, gradients and optimizer states live: ReplicatedState (stage 0) or
+        # ShardedState (stages 1-3), driven through the same calls.
+        self.state = state if state is not None else _replicated(module, cfg, comm, policy)
+        if optimizer is not None and self.state.optimizer is None:
+            self.state.adopt(optimizer)
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
@@ -87,9 +86,14 @@ class Engine(nn.Module):
             raise ValueError(f"engine.backward expects a scalar loss tensor, got {type(loss).__name__}"
                              f"{'' if not isinstance(loss, torch.Tensor) else ' of shape ' + str(tuple(loss.shape))}")
         self._last_loss = loss.detach()  # read only when reporting: no device sync per micro-batch
-        self.buckets.reduce_this_step = self.is_gradient_accumulation_boundary() and not self._in_no_sync
+        if self._in_no_sync and not self.state.allows_no_sync():
+            raise RuntimeError(f"engine.no_sync() is not supported with ZeRO stage {self.state.stage}: gradients "
+                               f"are reduce-scattered into shards every micro-batch, so there is no local "
+                               f"accumulation to skip (as in DeepSpeed); drop no_sync() or use stage 0 or 1")
+        self.state.begin_backward(self.is_gradient_accumulation_boundary() and not self._in_no_sync)
         scaled = self.scaler.scale_loss(loss.float() / self.gradient_accumulation_steps())
         scaled.backward(retain_graph=retain_graph)
+        self.state.end_backward()
         return loss
 
     @contextlib.contextmanager
@@ -115,13 +119,15 @@ class Engine(nn.Module):
         self._step_applied = False
         if not boundary:
             return
-        self.buckets.finish()
-        grads = self.buckets.flat_buffers()
+        grads = self.state.step_grads()
         if self.scaler.loss_scale != 1.0:
             for flat in grads:
                 flat.div_(self.scaler.loss_scale)
-        # The all-reduce has already spread any rank's inf/nan to every rank: one local check agrees.
-        overflow = self.policy.check_overflow and self.scaler.has_overflow(grads)
+        # One number answers both questions: the global norm is finite iff no rank has an inf/nan.
+        local = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32)
+                                                      for g in grads]))
+        norm = float(self.state.sum_over_ranks(local.double().square()).sqrt())
+        overflow = self.policy.check_overflow and not math.isfinite(norm)
         self.scaler.update(overflow)
         self._publish_scale()
         if overflow:  # DeepSpeed counts a skipped step as a step (global_steps, global_samples)
@@ -129,21 +135,13 @@ class Engine(nn.Module):
             self._count_step()
             self._finish_window()
             return
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32)
-                                                     for g in grads]))
-        self._global_grad_norm = float(norm)
+        self._global_grad_norm = norm
         clip = float(self.config.gradient_clipping)
         factor = clip / (self._global_grad_norm + 1e-6) if clip > 0 else 1.0
         if factor < 1.0:  # torch's and DeepSpeed's clip_grad_norm rule
             for flat in grads:
                 flat.mul_(factor)
-        for master, model in zip(self._master_params, self._model_params, strict=True):
-            master.grad = self.buckets.grad_of(model).to(master.dtype)
-        self.optimizer.step()
-        if self._master_params is not self._model_params:
-            with torch.no_grad():
-                for master, model in zip(self._master_params, self._model_params, strict=True):
-                    model.copy_(master)
+        self.state.apply()
         self._step_applied = True
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
@@ -160,15 +158,32 @@ class Engine(nn.Module):
             self.optimizer.cur_scale = float(self.scaler.loss_scale)
 
     def _finish_window(self) -> None:
-        for p in self._master_params:
-            p.grad = None
-        self.buckets.zero()
+        self.state.zero()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop accumulated gradients (``step`` already does this at each boundary)."""
-        for p in self._model_params:
-            p.grad = None
-        self.buckets.zero()
+        self.state.zero()
+
+    # -- memory ---------------------------------------------------------------------------
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes this rank holds now, measured from the allocated tensors: ``params``, ``grads`` and
+        ``optimizer_states`` (fp32 masters included), their ``total`` (model states), and ``buffers``
+        (gathered stage-3 parameters and in-flight gradient buckets, not model state)."""
+        return self.state.memory_breakdown()
+
+    def empty_partition_cache(self) -> None:
+        """Release every gathered ZeRO-3 parameter (a no-op at stages 0-2)."""
+        release = getattr(self.state, "release_all", None)
+        if release is not None:
+            release()
+
+    @property
+    def buckets(self) -> Any:
+        """Stage 0's gradient buckets (``grad_of(param)``); stages 1-3 keep gradient shards instead."""
+        if not hasattr(self.state, "buckets"):
+            raise AttributeError(f"ZeRO stage {self.state.stage} keeps gradient shards, not buckets; use "
+                                 f"zerospeed.utils.safe_get_full_grad(param)")
+        return self.state.buckets
 
     # -- queries --------------------------------------------------------------------------
     def was_step_applied(self) -> bool:
@@ -202,3 +217,15 @@ class Engine(nn.Module):
         log.info("step %d  loss %.4f  lr %s  loss scale %g  %.1f samples/s", self.global_steps,
                  float(self._last_loss) if self._last_loss is not None else float("nan"), ", ".join(f"{lr:.3g}" for lr in self.get_lr()),
                  self.scaler.loss_scale, rate)
+
+
+def reduction_policy(cfg: Config, policy: Any) -> ReductionPolicy:
+    """DeepSpeed's gradient averaging settings, as one value."""
+    return ReductionPolicy(reduce_dtype=policy.reduce_dtype, prescale=cfg.prescale_gradients,
+                           predivide_factor=cfg.gradient_predivide_factor)
+
+
+def _replicated(module: nn.Module, cfg: Config, comm: Comm, policy: Any) -> ReplicatedState:
+    return ReplicatedState(module, comm, master_dtype=policy.master_dtype, accum_dtype=policy.grad_accum_dtype,
+                           bucket_elems=int(cfg.zero_optimization.reduce_bucket_size),
+                           reduction=reduction_policy(cfg, policy))

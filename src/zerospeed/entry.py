@@ -16,6 +16,8 @@ from zerospeed.dist.comm import Comm
 from zerospeed.dist.env import init_distributed
 from zerospeed.dist.mesh import ParallelDims
 from zerospeed.engine import Engine
+from zerospeed.zero.external import external_parameters
+from zerospeed.zero.optimizer import check_supported
 
 log = logging.getLogger("zerospeed")
 
@@ -23,6 +25,8 @@ log = logging.getLogger("zerospeed")
 IMPLEMENTED = frozenset({
     "fp16", "bf16", "gradient_clipping", "optimizer.type=*", "scheduler.type=*", "communication_data_type=*",
     "prescale_gradients", "gradient_predivide_factor", "dataloader_drop_last", "bf16.check_grad_overflow",
+    "zero_optimization.stage=1", "zero_optimization.stage=2", "zero_optimization.stage=3",
+    "data_types.grad_accum_dtype",
 })
 
 
@@ -66,15 +70,19 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     policy.cast_module(model)
     _broadcast_from_rank0(model, comm)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    master = _master_params(trainable, policy)
-    opt = _build_optimizer(optimizer, model_parameters, trainable, master, cfg)
+    state = _model_state(model, cfg, comm, policy)
+    opt = _build_optimizer(optimizer, model_parameters, trainable, cfg)
+    if opt is not None:
+        if state.stage > 0:
+            check_supported(opt, cfg.zero_allow_untested_optimizer)
+        state.adopt(opt)
     sched = _build_scheduler(lr_scheduler, opt, cfg)
     loader = None
     if training_data is not None:
         loader = DistributedLoader(training_data, micro_batch_size=int(cfg.train_micro_batch_size_per_gpu),
                                    rank=comm.rank, world_size=comm.world_size, collate_fn=collate_fn,
                                    drop_last=cfg.dataloader_drop_last)
-    engine = Engine(model, cfg, comm, policy, opt, sched, master_params=master)
+    engine = Engine(model, cfg, comm, policy, opt, sched, state=state)
     _ensure_log_handler()
     if comm.rank == 0:
         log.info("zerospeed config (resolved, every default in force):\n%s", cfg.to_json())
@@ -121,15 +129,22 @@ def _broadcast_from_rank0(model: nn.Module, comm: Comm) -> None:
             comm.broadcast(tensor.data, src=0)
 
 
-def _master_params(trainable: list[nn.Parameter], policy: Any) -> list[nn.Parameter] | None:
-    """fp32 master copies of the trainable parameters when the model computes in lower precision."""
-    if not policy.needs_master_copy:
-        return None
-    return [nn.Parameter(p.detach().to(policy.master_dtype).clone()) for p in trainable]
+def _model_state(model: nn.Module, cfg: Config, comm: Comm, policy: Any) -> Any:
+    """Stage 0 keeps everything on every rank; stages 1-3 shard (see zerospeed.zero)."""
+    from zerospeed.engine import _replicated, reduction_policy
+
+    stage = int(cfg.zero_optimization.stage)
+    if stage == 0:
+        return _replicated(model, cfg, comm, policy)
+    from zerospeed.zero.sharded import ShardedState
+
+    return ShardedState(model, comm, stage=stage, master_dtype=policy.master_dtype,
+                        accum_dtype=policy.grad_accum_dtype, reduction=reduction_policy(cfg, policy),
+                        zero_cfg=cfg.zero_optimization, external=external_parameters(model))
 
 
 def _build_optimizer(optimizer: Any, model_parameters: Any, trainable: list[nn.Parameter],
-                     master: list[nn.Parameter] | None, cfg: Config) -> torch.optim.Optimizer | None:
+                     cfg: Config) -> torch.optim.Optimizer | None:
     if optimizer is not None and cfg.optimizer is not None:
         raise ValueError("an optimizer was passed to initialize and the config has an \"optimizer\" section; "
                          "keep one of them")
@@ -140,17 +155,7 @@ def _build_optimizer(optimizer: Any, model_parameters: Any, trainable: list[nn.P
         from zerospeed.optim.factory import build_optimizer
 
         optimizer = build_optimizer(cfg.optimizer, params)
-    if optimizer is not None and master is not None:
-        _swap_to_master(optimizer, trainable, master)
     return optimizer
-
-
-def _swap_to_master(optimizer: torch.optim.Optimizer, trainable: list[nn.Parameter],
-                    master: list[nn.Parameter]) -> None:
-    """Point the optimizer's groups at the fp32 masters (its state is still empty here)."""
-    by_id = {id(p): m for p, m in zip(trainable, master, strict=True)}
-    for group in optimizer.param_groups:
-        group["params"] = [by_id.get(id(p), p) for p in group["params"]]
 
 
 def _build_scheduler(lr_scheduler: Any, optimizer: torch.optim.Optimizer | None, cfg: Config) -> Any:

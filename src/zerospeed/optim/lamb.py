@@ -68,6 +68,9 @@ class Lamb(torch.optim.Optimizer):
                         max_grad_norm=max_grad_norm, max_coeff=max_coeff, min_coeff=min_coeff)
         super().__init__(params, defaults)
         self.lamb_coeffs: list[Tensor] = []
+        # Set by ZeRO when the parameters are shards: maps the shards' squared norms to their whole
+        # parameters' (a collective, so it is called for every group on every rank, even empty ones).
+        self.norm_reducer: Callable[[list[Tensor], Tensor], Tensor] | None = None
 
     def get_lamb_coeffs(self) -> list[float]:
         """Trust ratios applied in the last step (DeepSpeed's FusedLamb API)."""
@@ -99,6 +102,9 @@ class Lamb(torch.optim.Optimizer):
         """Update one group; returns its trust ratios in parameter order."""
         params = [p for p in group["params"] if p.grad is not None]
         if not params:
+            if self.norm_reducer is not None:  # the other ranks' shards of this group still need our turn
+                for _ in range(2):
+                    self.norm_reducer([], torch.zeros(0))
             return []
         for p in params:
             if p.grad.is_sparse:
@@ -113,14 +119,17 @@ class Lamb(torch.optim.Optimizer):
             step_sizes.append(_step_size(group["lr"], beta1, beta2, state["step"],
                                          group["bias_correction"]))
         coeffs: list[Tensor | None] = [None] * len(params)
-        for index in _by_device_and_dtype(params):
+        buckets = _by_device_and_dtype(params)
+        if self.norm_reducer is not None and len(buckets) > 1:
+            raise ValueError("Lamb over shards needs every parameter of a group on one device and dtype")
+        for index in buckets:
             bucket_coeffs = _lamb_update(
                 [params[i] for i in index], [grads[i] for i in index],
                 [states[i]["exp_avg"] for i in index], [states[i]["exp_avg_sq"] for i in index],
                 [step_sizes[i] for i in index], beta1=beta1, beta2=beta2, eps=group["eps"],
                 eps_inside_sqrt=group["eps_inside_sqrt"], weight_decay=group["weight_decay"],
                 max_coeff=group["max_coeff"], min_coeff=group["min_coeff"],
-                grad_scale=combined_scale)
+                grad_scale=combined_scale, norm_reducer=self.norm_reducer)
             for i, coeff in zip(index, bucket_coeffs.unbind()):
                 coeffs[i] = coeff
         return [c for c in coeffs if c is not None]
@@ -166,7 +175,8 @@ def _by_device_and_dtype(tensors: list[Tensor]) -> list[list[int]]:
 def _lamb_update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
                  exp_avg_sqs: list[Tensor], step_sizes: list[float], *, beta1: float,
                  beta2: float, eps: float, eps_inside_sqrt: bool, weight_decay: float,
-                 max_coeff: float, min_coeff: float, grad_scale: float) -> Tensor:
+                 max_coeff: float, min_coeff: float, grad_scale: float,
+                 norm_reducer: Callable[[list[Tensor], Tensor], Tensor] | None = None) -> Tensor:
     """Update same-device, same-dtype tensors in place; returns their trust ratios."""
     if grad_scale != 1.0:
         grads = torch._foreach_div(grads, grad_scale)
@@ -185,6 +195,9 @@ def _lamb_update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tenso
         torch._foreach_add_(updates, params, alpha=weight_decay)
     w_norm = torch.stack(torch._foreach_norm(params))
     u_norm = torch.stack(torch._foreach_norm(updates))
+    if norm_reducer is not None:  # shards: whole-parameter norms from every rank's parts
+        w_norm = norm_reducer(params, w_norm.square()).sqrt()
+        u_norm = norm_reducer(params, u_norm.square()).sqrt()
     ratio = (w_norm / u_norm).clamp(min_coeff, max_coeff)
     coeffs = torch.where((w_norm != 0) & (u_norm != 0), ratio, torch.ones_like(ratio))
     neg_steps = coeffs * torch.tensor(step_sizes, dtype=coeffs.dtype, device=coeffs.device).neg()

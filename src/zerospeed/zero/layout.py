@@ -1,0 +1,90 @@
+"""Which parameters form each ZeRO unit, and which module gathers it (stage 3).
+
+A unit is what one collective moves: its gradients are reduce-scattered together and, under
+stage 3, its parameters are all-gathered before the module that owns it runs and released after.
+Units start from the module tree (:func:`zerospeed.sharding.units.module_units`: one per repeated
+block, one per other top-level child); a unit larger than ``reduce_bucket_size`` elements is cut at
+parameter boundaries so no bucket exceeds it. Under stage 3, parameters smaller than
+``stage3_param_persistence_threshold`` elements are *persistent*: they stay whole on every rank
+(gathering them would cost more latency than the memory saved) and go into one unit of their own.
+
+Modules that use a parameter of another unit (a tied LM head reusing the embedding's weight, or a
+parameter registered with :func:`register_external_parameter`) gather that unit too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from zerospeed.sharding.units import ROOT, module_units
+from zerospeed.zero.grads import plan_buckets
+
+PERSISTENT = "<persistent>"
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    """One unit: its parameters (in flat-buffer order) and the module whose forward gathers it."""
+
+    name: str
+    param_names: tuple[str, ...]
+    params: tuple[nn.Parameter, ...] = field(repr=False)
+    module_path: str | None  # None: persistent (never gathered or released)
+
+    @property
+    def persistent(self) -> bool:
+        return self.module_path is None
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+
+def build_units(model: nn.Module, *, bucket_elems: int, persistence_threshold: int = 0,
+                unit_classes: tuple[type, ...] | None = None) -> list[UnitSpec]:
+    """Units of ``model`` in registration order (persistent parameters last, in one unit)."""
+    by_name = dict(model.named_parameters())
+    units: list[UnitSpec] = []
+    persistent: list[str] = []
+    for unit_name, entries in module_units(model, unit_classes):
+        names = []
+        for name, _shape in entries:
+            (persistent if by_name[name].numel() < persistence_threshold else names).append(name)
+        module_path = "" if unit_name == ROOT else unit_name
+        groups = plan_buckets([by_name[n].numel() for n in names], bucket_elems) if names else []
+        for part, group in enumerate(groups):
+            chosen = tuple(names[i] for i in group)
+            label = unit_name if len(groups) == 1 else f"{unit_name}[{part}]"
+            units.append(UnitSpec(label, chosen, tuple(by_name[n] for n in chosen), module_path))
+    if persistent:
+        units.append(UnitSpec(PERSISTENT, tuple(persistent), tuple(by_name[n] for n in persistent), None))
+    return units
+
+
+def module_users(model: nn.Module, units: list[UnitSpec],
+                 external: dict[int, list[nn.Parameter]] | None = None) -> dict[str, list[int]]:
+    """For each module path, the indices of the non-persistent units its forward needs gathered.
+
+    A unit's own module gathers it; a module holding a parameter of another unit under a second
+    name (tied weights), or declared to use one (``external``: ``id(module) -> params``), gathers
+    that unit as well.
+    """
+    unit_of_param = {id(p): i for i, unit in enumerate(units) for p in unit.params}
+    users: dict[str, list[int]] = {}
+    for i, unit in enumerate(units):
+        if not unit.persistent:
+            users.setdefault(unit.module_path or "", []).append(i)
+    for path, module in model.named_modules():
+        used = [p for p in module._parameters.values() if p is not None]
+        used += (external or {}).get(id(module), [])
+        for p in used:
+            i = unit_of_param.get(id(p))
+            if i is None or units[i].persistent:
+                continue
+            owner = units[i].module_path or ""
+            inside_owner = owner == "" or path == owner or path.startswith(owner + ".")
+            if not inside_owner and i not in users.setdefault(path, []):
+                users[path].append(i)
+    return users

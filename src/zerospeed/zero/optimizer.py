@@ -1,0 +1,141 @@
+"""ZeroOptimizer: the optimizer step over this rank's shards only (ZeRO stages 1-3).
+
+Every unit's shard gets an fp32 master (the compute-dtype shard itself when that is fp32). Each
+trainable parameter's part of it becomes a small ``nn.Parameter`` view (a *piece*), and the user's
+torch optimizer is pointed at the pieces instead of the model's parameters, so its states exist
+for this rank's elements only and its param groups (learning rates, weight decay, schedules) stay
+as the user built them. A step is the three phases of the ZeRO paper: the gradient shards are
+already reduced; the wrapped optimizer updates the local pieces; the updated shards go back to the
+compute-dtype parameters (all-gathered at once for stages 1-2, on next use for stage 3).
+
+Elementwise optimizers (Adam, AdamW, SGD, Adagrad) are exact on pieces. Lamb's trust ratio needs
+whole-parameter norms: the pieces' squared norms are summed across ranks (one small all-reduce).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from zerospeed.dist.comm import Comm, Handle
+from zerospeed.optim.lamb import Lamb
+from zerospeed.zero.flat_param import FlatParamUnit
+
+SUPPORTED_OPTIMIZERS: tuple[type, ...] = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD,
+                                          torch.optim.Adagrad, Lamb)
+
+
+def check_supported(optimizer: torch.optim.Optimizer, allow_untested: bool) -> None:
+    """Refuse optimizers whose update is not known to be exact on shards (DeepSpeed's rule)."""
+    if isinstance(optimizer, SUPPORTED_OPTIMIZERS) or allow_untested:
+        return
+    names = ", ".join(cls.__name__ for cls in SUPPORTED_OPTIMIZERS)
+    raise ValueError(f"ZeRO has not been tested with {type(optimizer).__name__} (tested: {names}); an optimizer "
+                     f"that looks at whole tensors (norms, shapes) would be wrong on shards. Set "
+                     f"\"zero_allow_untested_optimizer\": true in the config to use it anyway")
+
+
+class ZeroOptimizer:
+    """Masters and the wrapped optimizer for this rank's shards; see the module docstring."""
+
+    def __init__(self, units: Sequence[FlatParamUnit], comm: Comm, *, master_dtype: torch.dtype,
+                 allgather_bucket_elems: int):
+        self.units = list(units)
+        self.comm = comm
+        self.allgather_bucket_elems = max(int(allgather_bucket_elems), 1)
+        self.masters: list[torch.Tensor] = []
+        self.piece_of: dict[int, nn.Parameter] = {}  # id(model parameter) -> its master piece here
+        self._grad_slices: list[tuple[nn.Parameter, int, int, int]] = []  # piece, unit, offset, numel
+        self._global_index: dict[int, int] = {}  # id(piece) -> index of its model parameter
+        index = 0
+        for u, unit in enumerate(self.units):
+            master = unit.shard if unit.shard.dtype == master_dtype else unit.shard.detach().to(master_dtype)
+            self.masters.append(master)
+            slot_of = {slot.name: i for i, slot in enumerate(unit.plan.params)}
+            for piece in unit.plan.pieces(comm.rank):
+                i = slot_of[piece.param]
+                if not unit.trainable[i]:
+                    continue
+                view = nn.Parameter(master[piece.shard_offset: piece.shard_offset + piece.numel])
+                self.piece_of[id(unit.params[i])] = view
+                self._grad_slices.append((view, u, piece.shard_offset, piece.numel))
+            for i, p in enumerate(unit.params):
+                if unit.trainable[i]:
+                    if id(p) in self.piece_of:
+                        self._global_index[id(self.piece_of[id(p)])] = index
+                    index += 1
+        self._num_params = index
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    # -- wiring -----------------------------------------------------------------------------
+    def adopt(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Point ``optimizer``'s groups at this rank's pieces (its state must still be empty)."""
+        if any(optimizer.state.values()):
+            raise ValueError("the optimizer already has state; under ZeRO pass a fresh optimizer to initialize")
+        known = {id(p) for unit in self.units for p in unit.params}
+        for g, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                if id(p) not in known:
+                    raise ValueError(f"optimizer param group {g} holds a tensor of shape {tuple(p.shape)} that is "
+                                     f"not a parameter of the model; ZeRO shards only the model's parameters")
+            group["params"] = [self.piece_of[id(p)] for p in group["params"] if id(p) in self.piece_of]
+        if isinstance(optimizer, Lamb):
+            if any(group.get("max_grad_norm", 0) > 0 for group in optimizer.param_groups):
+                raise NotImplementedError("Lamb's max_grad_norm under ZeRO: use gradient_clipping instead")
+            optimizer.norm_reducer = self.reduce_piece_norms
+        self.optimizer = optimizer
+        return optimizer
+
+    def reduce_piece_norms(self, pieces: list[torch.Tensor], squares: torch.Tensor) -> torch.Tensor:
+        """Whole-parameter squared norms for ``pieces`` from their local squared norms (collective:
+        every rank calls it the same number of times, with or without pieces)."""
+        total = torch.zeros(self._num_params, dtype=torch.float64, device=self.masters[0].device)
+        index = torch.tensor([self._global_index[id(p)] for p in pieces], dtype=torch.long, device=total.device)
+        if pieces:
+            total.index_add_(0, index, squares.to(torch.float64))
+        self.comm.all_reduce(total)
+        return total[index].to(squares.dtype) if pieces else squares
+
+    # -- step -------------------------------------------------------------------------------
+    def step(self, grad_shards: Sequence[torch.Tensor]) -> None:
+        """Update the pieces from the (unscaled, clipped) gradient shards, then publish the shards."""
+        if self.optimizer is None:
+            raise RuntimeError("ZeroOptimizer.step before adopt(): no optimizer to run")
+        for piece, u, offset, numel in self._grad_slices:
+            grad = grad_shards[u][offset: offset + numel]
+            piece.grad = grad if grad.dtype == piece.dtype else grad.to(piece.dtype)
+        self.optimizer.step()
+        for piece, *_ in self._grad_slices:
+            piece.grad = None
+        self.publish()
+
+    def publish(self) -> None:
+        """Copy masters into the compute-dtype shards and all-gather the persistent units."""
+        in_flight: list[tuple[Handle, int]] = []
+        live = 0
+        with torch.no_grad():
+            for unit, master in zip(self.units, self.masters):
+                if master is not unit.shard:
+                    unit.shard.copy_(master)
+                if not unit.persistent:
+                    continue
+                while in_flight and live + unit.numel > self.allgather_bucket_elems:
+                    handle, numel = in_flight.pop(0)
+                    handle.wait()
+                    live -= numel
+                handle = unit.publish_shard(async_op=True)
+                assert handle is not None
+                in_flight.append((handle, unit.numel))
+                live += unit.numel
+            for handle, _ in in_flight:
+                handle.wait()
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Masters (when separate from the shards) and the wrapped optimizer's state tensors."""
+        out = [m for m, unit in zip(self.masters, self.units) if m is not unit.shard]
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                out += [v for v in state.values() if isinstance(v, torch.Tensor) and v.numel() > 1]
+        return out

@@ -1,0 +1,228 @@
+"""ZeRO stage 3: gather a unit's parameters just before its module runs, release them after.
+
+Module hooks drive everything. Before a module's forward its units are all-gathered (waiting for a
+prefetch if one is in flight) and its inputs are wrapped so that, in backward, a callback fires once
+the gradients of those inputs exist, i.e. once the module's backward is over; after its forward the
+units are released and a hook on the outputs' gradients gathers them again just before the module's
+backward. The first forward records the order units are needed in; later steps follow that trace
+(forward, then backward in reverse) to prefetch up to ``stage3_prefetch_bucket_size`` elements
+ahead, never holding more than ``stage3_max_live_parameters`` gathered, and to keep a unit that is
+needed again within ``stage3_max_reuse_distance`` elements instead of releasing and re-gathering it.
+When a step departs from the trace, units are simply gathered on demand (and the trace is recorded
+again), so a changed order costs speed, never correctness. Every rank runs the same module code, so
+every rank issues the same gathers in the same order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from zerospeed.zero.flat_param import FlatParamUnit
+
+
+@dataclass(frozen=True)
+class PrefetchPolicy:
+    """DeepSpeed's stage-3 knobs, in elements."""
+
+    prefetch_elems: int = 50_000_000
+    max_live_elems: int = 1_000_000_000
+    max_reuse_distance: int = 1_000_000_000
+    overlap: bool = True  # False: never prefetch (``overlap_comm: false``)
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a module's inputs whose backward runs once the module's own backward is done."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Callable[[], None], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.callback = callback
+        return tensors
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.callback()
+        return (None, *grads)
+
+
+class _Trace:
+    """The unit order of one step (forward events, then the same in reverse for backward)."""
+
+    def __init__(self, forward: list[int], numel: list[int]):
+        self.seq = forward + forward[::-1]
+        self.prefix = [0]
+        for u in self.seq:
+            self.prefix.append(self.prefix[-1] + numel[u])
+        self.next_use: list[int | None] = [None] * len(self.seq)
+        last: dict[int, int] = {}
+        for i in range(len(self.seq) - 1, -1, -1):
+            self.next_use[i] = last.get(self.seq[i])
+            last[self.seq[i]] = i
+
+    def find(self, unit: int, after: int) -> int | None:
+        for i in range(after + 1, len(self.seq)):
+            if self.seq[i] == unit:
+                return i
+        return None
+
+    def reuse_distance(self, i: int) -> int | None:
+        """Elements gathered between event ``i`` and the next use of its unit (None: no next use)."""
+        j = self.next_use[i]
+        return None if j is None else self.prefix[j] - self.prefix[i + 1]
+
+
+class ParamCoordinator:
+    """Installs the stage-3 hooks on ``model`` and decides when units are gathered and released."""
+
+    def __init__(self, model: nn.Module, units: list[FlatParamUnit], users: dict[str, list[int]],
+                 policy: PrefetchPolicy):
+        self.units = units
+        self.policy = policy
+        self._numel = [u.numel for u in units]
+        self._recording: list[int] | None = []
+        self._trace: _Trace | None = None
+        self._cursor = -1
+        self._active = [0] * len(units)  # modules currently inside their forward, per unit
+        self._last_event = [-1] * len(units)  # trace position of each unit's latest use
+        self._handles = []
+        modules = dict(model.named_modules())
+        for path, unit_ids in users.items():
+            module = modules[path]
+            self._handles.append(module.register_forward_pre_hook(self._pre_hook(unit_ids), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._post_hook(unit_ids)))
+        self._handles.append(model.register_forward_pre_hook(self._begin_forward, prepend=True))
+        self._handles.append(model.register_forward_hook(self._end_forward))
+
+    # -- accounting -------------------------------------------------------------------------
+    def live_elems(self) -> int:
+        return sum(u.numel for u in self.units if u.gathered and not u.persistent)
+
+    def release_all(self) -> None:
+        for unit in self.units:
+            unit.release()
+
+    # -- events -----------------------------------------------------------------------------
+    def _event(self, unit_id: int) -> None:
+        """Unit ``unit_id`` is needed now: gather it and prefetch what the trace says comes next."""
+        if self._recording is not None:
+            self._recording.append(unit_id)
+        position = self._trace.find(unit_id, self._cursor) if self._trace is not None else None
+        if position is None:
+            if self._trace is not None:  # the order changed: gather on demand and record it again
+                self._trace, self._recording = None, []
+        else:
+            self._cursor = position
+        self._last_event[unit_id] = -1 if position is None else position
+        self.units[unit_id].gather()
+        if position is not None and self.policy.overlap:
+            self._prefetch(position)
+
+    def _prefetch(self, position: int) -> None:
+        assert self._trace is not None
+        budget = self.policy.prefetch_elems
+        live = self.live_elems()
+        for u in self._trace.seq[position + 1:]:
+            unit = self.units[u]
+            if unit.gathered:
+                continue
+            if unit.numel > budget or live + unit.numel > self.policy.max_live_elems:
+                return
+            unit.gather(async_op=True)
+            budget -= unit.numel
+            live += unit.numel
+
+    def _maybe_release(self, unit_id: int) -> None:
+        if self._active[unit_id] > 0:
+            return
+        if self._trace is not None and self._last_event[unit_id] >= 0:
+            distance = self._trace.reuse_distance(self._last_event[unit_id])
+            if distance is not None and distance <= self.policy.max_reuse_distance \
+                    and self.live_elems() <= self.policy.max_live_elems:
+                return
+        self.units[unit_id].release()
+
+    # -- hooks ------------------------------------------------------------------------------
+    def _begin_forward(self, module: nn.Module, args: Any) -> None:
+        self.release_all()  # a forward without backward may have left units gathered
+        self._cursor = -1
+        self._last_event = [-1] * len(self.units)
+
+    def _end_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._recording is not None and self._trace is None:
+            self._trace = _Trace(self._recording, self._numel)
+            self._recording = None
+        if not torch.is_grad_enabled():
+            self.release_all()
+
+    def _pre_hook(self, unit_ids: list[int]) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+            for u in unit_ids:
+                self._active[u] += 1
+                self._event(u)
+            if not torch.is_grad_enabled():
+                return args, kwargs
+            return _wrap_inputs(args, kwargs, lambda: self._after_backward(unit_ids))
+
+        return hook
+
+    def _post_hook(self, unit_ids: list[int]) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            for u in unit_ids:
+                self._active[u] -= 1
+            for u in unit_ids:
+                self._maybe_release(u)
+            outputs = [t for t in _tensors(output) if t.requires_grad]
+            if outputs and torch.is_grad_enabled():
+                torch.autograd.graph.register_multi_grad_hook(
+                    outputs, lambda _grad: self._before_backward(unit_ids), mode="any")
+
+        return hook
+
+    def _before_backward(self, unit_ids: list[int]) -> None:
+        for u in reversed(unit_ids):
+            self._event(u)
+
+    def _after_backward(self, unit_ids: list[int]) -> None:
+        for u in unit_ids:
+            self._maybe_release(u)
+
+    def end_backward(self) -> None:
+        """After a whole backward: nothing stays gathered, whatever the graph looked like."""
+        self.release_all()
+        self._cursor = -1
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def _wrap_inputs(args: tuple[Any, ...], kwargs: dict[str, Any],
+                 callback: Callable[[], None]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Route the grad-requiring tensors among a module's direct arguments through ``_PostBackward``."""
+    slots = [("a", i) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+    slots += [("k", k) for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
+    if not slots:
+        return args, kwargs
+    inputs = [args[key] if kind == "a" else kwargs[key] for kind, key in slots]
+    wrapped = _PostBackward.apply(callback, *inputs)
+    new_args, new_kwargs = list(args), dict(kwargs)
+    for (kind, key), tensor in zip(slots, wrapped):
+        if kind == "a":
+            new_args[key] = tensor
+        else:
+            new_kwargs[key] = tensor
+    return tuple(new_args), new_kwargs

@@ -1,0 +1,99 @@
+"""ZeRO stage 0: every rank holds everything; gradients are all-reduced in buckets.
+
+This and :class:`zerospeed.zero.sharded.ShardedState` are the two model-state strategies the
+engine drives through the same calls (``begin_backward`` / ``end_backward`` / ``step_grads`` /
+``apply`` / ``zero``), so the engine's step (unscale, overflow, clip, schedule) is written once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zerospeed.dist.comm import Comm
+from zerospeed.zero.grads import GradBuckets, ReductionPolicy
+from zerospeed.zero.memory import storage_bytes
+
+
+class ReplicatedState:
+    """Model parameters, fp32 masters when training in 16 bits, and the gradient buckets."""
+
+    stage = 0
+
+    def __init__(self, model: nn.Module, comm: Comm, *, master_dtype: torch.dtype, accum_dtype: torch.dtype,
+                 bucket_elems: int, reduction: ReductionPolicy):
+        self.module = model
+        self.comm = comm
+        self.model_params = [p for p in model.parameters() if p.requires_grad]
+        if self.model_params and self.model_params[0].dtype != master_dtype:
+            self.master_params = [nn.Parameter(p.detach().to(master_dtype).clone()) for p in self.model_params]
+        else:
+            self.master_params = self.model_params
+        self.buckets = GradBuckets(self.model_params, comm, bucket_elems=bucket_elems, accum_dtype=accum_dtype,
+                                   policy=reduction)
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    def adopt(self, optimizer: torch.optim.Optimizer) -> None:
+        """Point the optimizer's groups at the fp32 masters (its state is still empty here)."""
+        self.optimizer = optimizer
+        if self.master_params is self.model_params:
+            return
+        by_id = {id(p): m for p, m in zip(self.model_params, self.master_params, strict=True)}
+        for group in optimizer.param_groups:
+            group["params"] = [by_id.get(id(p), p) for p in group["params"]]
+
+    # -- backward ---------------------------------------------------------------------------
+    def begin_backward(self, reduce: bool) -> None:
+        self.buckets.reduce_this_step = reduce
+
+    def end_backward(self) -> None:
+        """Buckets still in flight are waited for at the step."""
+
+    def allows_no_sync(self) -> bool:
+        return True
+
+    # -- step -------------------------------------------------------------------------------
+    def step_grads(self) -> list[torch.Tensor]:
+        """The averaged gradients, as flat tensors this rank may scale in place."""
+        self.buckets.finish()
+        return self.buckets.flat_buffers()
+
+    def sum_over_ranks(self, local: torch.Tensor) -> torch.Tensor:
+        """Gradients are replicated after the all-reduce: the local value is already the global one."""
+        return local
+
+    def apply(self) -> None:
+        """Run the optimizer on the masters and copy the result into the model."""
+        assert self.optimizer is not None
+        for master, model in zip(self.master_params, self.model_params, strict=True):
+            master.grad = self.buckets.grad_of(model).to(master.dtype)
+        self.optimizer.step()
+        if self.master_params is not self.model_params:
+            with torch.no_grad():
+                for master, model in zip(self.master_params, self.model_params, strict=True):
+                    model.copy_(master)
+
+    def zero(self) -> None:
+        for p in self.master_params:
+            p.grad = None
+        for p in self.model_params:
+            p.grad = None
+        self.buckets.zero()
+
+    # -- memory -----------------------------------------------------------------------------
+    def memory_breakdown(self) -> dict[str, int]:
+        params = storage_bytes(list(self.module.parameters()))
+        grads = storage_bytes(self.buckets.flat_buffers())
+        states = storage_bytes(self._state_tensors(), exclude=list(self.module.parameters()))
+        return {"params": params, "grads": grads, "optimizer_states": states,
+                "total": params + grads + states, "buffers": 0}
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        out = [m for m in self.master_params if m is not None] if self.master_params is not self.model_params else []
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                out += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        return out
+
+    def remove_hooks(self) -> None:
+        self.buckets.remove_hooks()

@@ -1,0 +1,125 @@
+"""ZeRO stages 1-3 as one model-state strategy: units, gradient shards, optimizer shards, stage-3 hooks.
+
+What differs between the stages is chosen here, once, as values: which units are persistent (all
+of them for stages 1-2; under stage 3 only the small parameters), how gradients are kept
+(:class:`GradSharding`), and whether a :class:`ParamCoordinator` gathers parameters around each
+module (stage 3). The engine drives it exactly like :class:`ReplicatedState`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from zerospeed.dist.comm import Comm
+from zerospeed.sharding.plan import ShardPlan
+from zerospeed.zero.flat_param import FlatParamUnit
+from zerospeed.zero.grads import ReductionPolicy
+from zerospeed.zero.layout import UnitSpec, build_units, module_users
+from zerospeed.zero.memory import storage_bytes
+from zerospeed.zero.optimizer import ZeroOptimizer
+from zerospeed.zero.params import ParamCoordinator, PrefetchPolicy
+from zerospeed.zero.sharded_grads import GradSharding, ShardedGrads
+
+
+class ShardedState:
+    """This rank's shards of a model's parameters, gradients and optimizer states."""
+
+    def __init__(self, model: nn.Module, comm: Comm, *, stage: int, master_dtype: torch.dtype,
+                 accum_dtype: torch.dtype, reduction: ReductionPolicy, zero_cfg: Any,
+                 external: dict[int, list[nn.Parameter]] | None = None):
+        if stage not in (1, 2, 3):
+            raise ValueError(f"ShardedState is for ZeRO stages 1-3, got {stage}")
+        self.stage = stage
+        self.module = model
+        self.comm = comm
+        threshold = int(zero_cfg.param_persistence_threshold) if stage == 3 else 0
+        specs = build_units(model, bucket_elems=max(int(zero_cfg.reduce_bucket_size), 1),
+                            persistence_threshold=threshold)
+        self.specs = specs
+        self.plan = ShardPlan.build([(s.name, [(n, tuple(p.shape)) for n, p in zip(s.param_names, s.params)])
+                                     for s in specs], comm.world_size)
+        self.units = [FlatParamUnit(plan, list(spec.params), comm, persistent=stage < 3 or spec.persistent)
+                      for plan, spec in zip(self.plan.units, specs)]
+        self.grads = ShardedGrads(self.units, comm, GradSharding.for_stage(stage), accum_dtype=accum_dtype,
+                                  policy=reduction)
+        self.zero_optimizer = ZeroOptimizer(self.units, comm, master_dtype=master_dtype,
+                                            allgather_bucket_elems=int(zero_cfg.allgather_bucket_size))
+        self.coordinator: ParamCoordinator | None = None
+        if stage == 3:
+            policy = PrefetchPolicy(prefetch_elems=int(zero_cfg.prefetch_bucket_size),
+                                    max_live_elems=int(zero_cfg.max_live_parameters),
+                                    max_reuse_distance=int(zero_cfg.max_reuse_distance),
+                                    overlap=zero_cfg.overlap_comm is not False)
+            self.coordinator = ParamCoordinator(model, self.units, module_users(model, specs, external), policy)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        return self.zero_optimizer.optimizer
+
+    def adopt(self, optimizer: torch.optim.Optimizer) -> None:
+        self.zero_optimizer.adopt(optimizer)
+
+    # -- backward ---------------------------------------------------------------------------
+    def begin_backward(self, reduce: bool) -> None:
+        self.grads.begin_backward(reduce)
+
+    def end_backward(self) -> None:
+        self.grads.end_backward()
+        if self.coordinator is not None:
+            self.coordinator.end_backward()
+
+    def allows_no_sync(self) -> bool:
+        """Stage 1 reduces only at the window's end anyway; stages 2-3 reduce every micro-batch
+        into shards, so there is nothing a skipped reduction could keep (as in DeepSpeed)."""
+        return self.stage == 1
+
+    # -- step -------------------------------------------------------------------------------
+    def step_grads(self) -> list[torch.Tensor]:
+        return self.grads.shards()
+
+    def sum_over_ranks(self, local: torch.Tensor) -> torch.Tensor:
+        total = local.detach().to(torch.float64).reshape(1).clone()
+        self.comm.all_reduce(total)
+        return total[0]
+
+    def apply(self) -> None:
+        self.zero_optimizer.step(self.grads.shards())
+
+    def zero(self) -> None:
+        self.grads.zero()
+
+    # -- queries ----------------------------------------------------------------------------
+    def unit_of(self, param: nn.Parameter) -> tuple[FlatParamUnit, int]:
+        for unit in self.units:
+            for i, p in enumerate(unit.params):
+                if p is param:
+                    return unit, i
+        raise KeyError(f"a tensor of shape {tuple(param.shape)} is not a parameter of this model")
+
+    def release_all(self) -> None:
+        """Free every gathered stage-3 parameter (``engine.empty_partition_cache``)."""
+        for unit in self.units:
+            unit.release()
+
+    def memory_breakdown(self) -> dict[str, int]:
+        unit_tensors = [t for unit in self.units for t in unit.tensors()]
+        resident = [u.full for u in self.units if u.persistent] + [u.shard for u in self.units if not u.persistent]
+        params = storage_bytes(resident)
+        gathered = storage_bytes(unit_tensors, exclude=resident)
+        grad_state, grad_transient = self.grads.tensors()
+        grads = storage_bytes(grad_state)
+        states = storage_bytes(self.zero_optimizer.state_tensors(), exclude=resident)
+        buffers = gathered + storage_bytes(grad_transient, exclude=grad_state)
+        return {"params": params, "grads": grads, "optimizer_states": states,
+                "total": params + grads + states, "buffers": buffers}
+
+    def remove_hooks(self) -> None:
+        self.grads.remove_hooks()
+        if self.coordinator is not None:
+            self.coordinator.remove_hooks()
+
+
+__all__ = ["ShardedState", "UnitSpec"]

@@ -1,0 +1,220 @@
+"""Gradient reduce-scatter for ZeRO stages 1-3: each rank ends with the averaged gradient of its shard.
+
+Per-parameter hooks add each gradient into its unit's flat accumulator (in the accumulation
+dtype) and free ``param.grad``. Once every trainable parameter of a unit has its gradient, the
+unit is reduce-scattered asynchronously while backward goes on. Units are launched strictly in one
+order, identical on every rank whatever autograd's scheduling (first reverse registration order,
+then, after the first reduction, the order gradients really completed on rank 0).
+
+The two ways of doing it differ only in the :class:`GradSharding` value:
+
+* stage 1 keeps a full accumulator per unit for the whole accumulation window and reduces once,
+  at the window's last micro-batch; the shard is a view of the accumulator.
+* stages 2-3 reduce every micro-batch, add the result into a shard-sized gradient that lives
+  across the window, and free the full accumulator as soon as it has been reduced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from zerospeed.dist.comm import Comm, Handle
+from zerospeed.zero.flat_param import FlatParamUnit
+from zerospeed.zero.grads import ReductionPolicy
+
+
+@dataclass(frozen=True)
+class GradSharding:
+    """How gradients are kept between micro-batches (see the module docstring)."""
+
+    keep_full: bool  # stage 1: full accumulators live across the window; reduce at its end only
+
+    @classmethod
+    def for_stage(cls, stage: int) -> "GradSharding":
+        if stage not in (1, 2, 3):
+            raise ValueError(f"gradient sharding is for ZeRO stages 1-3, got stage {stage}")
+        return cls(keep_full=stage == 1)
+
+
+class _UnitGrads:
+    def __init__(self, unit: FlatParamUnit, dtype: torch.dtype, keep_full: bool):
+        self.unit = unit
+        self.plan = unit.plan
+        self.dtype = dtype
+        lo, hi = self.plan.shard_range(unit.comm.rank)
+        self.lo, self.hi = lo, hi
+        self.device = unit.full.device
+        self.acc: torch.Tensor | None = None
+        if keep_full:
+            self.acc = torch.zeros(self.plan.padded_numel, dtype=dtype, device=self.device)
+            self.shard = self.acc[lo:hi]
+        else:
+            self.shard = torch.zeros(hi - lo, dtype=dtype, device=self.device)
+        self.written = [False] * len(self.plan.params)  # slots of ``acc`` holding this window's values
+        self.n_trainable = sum(unit.trainable)
+        self.received: set[int] = set()
+        self.shard_written = False  # ``shard`` holds this window's sum so far (stages 2-3)
+        self.handle: Handle | None = None
+        self.wire: torch.Tensor | None = None
+
+    def ensure_acc(self) -> torch.Tensor:
+        if self.acc is None:
+            self.acc = torch.empty(self.plan.padded_numel, dtype=self.dtype, device=self.device)
+            self.written = [False] * len(self.plan.params)
+        return self.acc
+
+    def view(self, slot: int) -> torch.Tensor:
+        s = self.plan.params[slot]
+        return self.ensure_acc()[s.offset: s.end].view(s.shape)
+
+
+class ShardedGrads:
+    """Gradient accumulation and reduce-scatter over the units of a ZeRO-1/2/3 model."""
+
+    def __init__(self, units: Sequence[FlatParamUnit], comm: Comm, sharding: GradSharding, *,
+                 accum_dtype: torch.dtype = torch.float32, policy: ReductionPolicy = ReductionPolicy()):
+        self.comm = comm
+        self.sharding = sharding
+        self.policy = policy
+        self.units = [_UnitGrads(u, accum_dtype, sharding.keep_full) for u in units]
+        self._where: dict[int, tuple[int, int]] = {}
+        self._hooks = []
+        for u, unit in enumerate(units):
+            for slot, p in enumerate(unit.params):
+                if p.requires_grad:
+                    self._where[id(p)] = (u, slot)
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        if not self._where:
+            raise ValueError("no trainable parameters: every parameter has requires_grad=False")
+        # Units without trainable parameters never get a gradient and are never reduced.
+        self.order = [u for u in reversed(range(len(self.units))) if self.units[u].n_trainable]
+        self._observed: list[int] = []
+        self._relaid = False
+        self._next = 0
+        self.reducing = False  # set by begin_backward: this backward's gradients are reduced
+
+    # -- backward ---------------------------------------------------------------------------
+    def begin_backward(self, reduce: bool) -> None:
+        """Called before each backward; ``reduce`` says whether this micro-batch's gradients go out
+        (stage 1: only at the window's end; stages 2-3: always)."""
+        if any(g.handle is not None for g in self.units):
+            raise RuntimeError("a second engine.backward() on the last micro-batch of an accumulation window: "
+                               "its gradients were already sent for averaging; call backward once per "
+                               "micro-batch (add the losses first)")
+        self.reducing = reduce or not self.sharding.keep_full
+        self._next = 0
+        for g in self.units:
+            g.received.clear()
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        u, slot = self._where[id(param)]
+        g = self.units[u]
+        if g.handle is not None:
+            raise RuntimeError(f"a gradient for a parameter of unit {g.plan.name!r} arrived after the unit "
+                               f"was reduced in this backward; a parameter used again after its unit's "
+                               f"backward is not supported")
+        if param.grad is not None:
+            view = g.view(slot)
+            if g.written[slot]:
+                view.add_(param.grad)
+            else:
+                view.copy_(param.grad)
+                g.written[slot] = True
+            param.grad = None
+        if self.reducing:
+            g.received.add(slot)
+            if len(g.received) == g.n_trainable:
+                if not self._relaid:
+                    self._observed.append(u)
+                self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.order):
+            g = self.units[self.order[self._next]]
+            if len(g.received) < g.n_trainable:
+                return
+            self._launch(g)
+            self._next += 1
+
+    def _launch(self, g: _UnitGrads) -> None:
+        acc = g.ensure_acc()
+        for slot, written in enumerate(g.written):
+            if not written:  # no gradient this window (unused or frozen parameter): zero
+                s = g.plan.params[slot]
+                acc[s.offset: s.end].zero_()
+                g.written[slot] = True
+        acc[g.plan.numel:].zero_()  # padding
+        dtype = self.policy.reduce_dtype
+        wire = acc if dtype is None or dtype == acc.dtype else acc.to(dtype)
+        self.policy.before(wire, self.comm.world_size)
+        g.wire = wire
+        g.handle = self.comm.reduce_scatter(wire[g.lo:g.hi], wire, async_op=True, inputs_writable=True)
+
+    def end_backward(self) -> None:
+        """After backward: reduce what is left (in order) and wait, when this backward reduces."""
+        if not self.reducing:
+            return
+        while self._next < len(self.order):
+            self._launch(self.units[self.order[self._next]])
+            self._next += 1
+        world = self.comm.world_size
+        for u in self.order:
+            g = self.units[u]
+            assert g.handle is not None and g.wire is not None
+            g.handle.wait()
+            out = g.wire[g.lo:g.hi]
+            self.policy.after(out, world)
+            if self.sharding.keep_full:
+                if out.data_ptr() != g.shard.data_ptr():
+                    g.shard.copy_(out)
+            else:
+                if g.shard_written:
+                    g.shard.add_(out)
+                else:
+                    g.shard.copy_(out)
+                    g.shard_written = True
+                g.acc = None  # the full gradient is freed as soon as it is reduced
+            g.handle = g.wire = None
+            g.received.clear()
+        self.reducing = False
+        if not self._relaid:
+            self._relay()
+
+    def _relay(self) -> None:
+        """Launch in the order units completed on rank 0 (every rank then issues the same sequence)."""
+        seen = list(dict.fromkeys(self.comm.all_gather_object(self._observed)[0]))
+        self.order = seen + [u for u in self.order if u not in set(seen)]
+        self._relaid = True
+        self._observed = []
+
+    # -- step -------------------------------------------------------------------------------
+    def shards(self) -> list[torch.Tensor]:
+        """This rank's averaged gradient shard of every unit (valid after the window's last backward)."""
+        return [g.shard for g in self.units]
+
+    def zero(self) -> None:
+        """Start a new accumulation window."""
+        for g in self.units:
+            g.written = [False] * len(g.plan.params)
+            g.shard_written = False
+            g.received.clear()
+            if g.handle is not None:
+                g.handle.wait()
+                g.handle = g.wire = None
+        self._next = 0
+
+    def tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(gradient state, transient buffers) held right now, for memory accounting."""
+        state = [g.acc for g in self.units if g.acc is not None and self.sharding.keep_full]
+        state += [g.shard for g in self.units if not self.sharding.keep_full]
+        transient = [g.acc for g in self.units if g.acc is not None and not self.sharding.keep_full]
+        transient += [g.wire for g in self.units if g.wire is not None and g.wire is not g.acc]
+        return state, transient
+
+    def remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
