@@ -8,10 +8,24 @@ store, so when the timeout fires every rank still waiting has said where it is. 
 and tests. Uneven sizes (padding) and average reductions are handled here, once, for every
 backend.
 
+In place: ``reduce_scatter(inputs[r*w:(r+1)*w], inputs)`` and ``all_gather(outputs,
+outputs[r*w:(r+1)*w])`` work, sync or async. Gloo and NCCL take such aliased buffers as they
+are; on other backends Comm notices the overlap (same storage, overlapping bytes) and breaks it
+with one scratch copy, and copies nothing when there is no overlap.
+
+Reduce-scatter has two ways to run. Gloo's native one clones the whole input and all_reduces
+the clone, so a caller that passes ``inputs_writable=True`` (anything in ``inputs`` outside
+``output`` may be left clobbered: partial or full sums) lets Comm all_reduce the input in place
+and keep its slice instead, which is measured faster on gloo from 256 Ki elements on. Which way
+runs is a :class:`ReduceScatterPolicy`, picked per backend in the constructor (NCCL: always
+native) and overridable there; ``benchmarks/bench_comm.py --reduce-scatter`` measures it.
+
 Byte accounting: ``stats.bytes[op]`` adds the size of the *whole* logical tensor of each call:
 the tensor for all_reduce / broadcast / send / recv, the full input (all ranks' parts) for
 reduce_scatter, the full output for all_gather, and this rank's inputs for all_to_all. Padding
-is not counted. The ZeRO paper's volumes follow from these by the usual factors.
+is not counted. A reduce_scatter that runs as an all_reduce is still counted as one
+reduce_scatter call of its input's bytes, so counters describe what the caller asked for and do
+not change with the policy. The ZeRO paper's volumes follow from these by the usual factors.
 """
 
 from __future__ import annotations
@@ -55,7 +69,8 @@ class ReduceScatterPolicy:
     some size on; NCCL's native reduce_scatter moves 1/world of the data an all_reduce moves, so
     it always stays native. ``all_reduce_min_numel`` counts the elements of the whole input (all
     ranks' parts); None means never. Every rank must use the same policy: it decides which
-    collective goes on the wire.
+    collective goes on the wire. (Gloo's native reduce_scatter Work, torch 2.13, also ignores the
+    wait timeout and never reports ``is_completed()``; the all_reduce way has neither problem.)
     """
 
     all_reduce_min_numel: int | None = None
