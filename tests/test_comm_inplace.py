@@ -135,7 +135,7 @@ def _inplace(ws_expected: int) -> dict:
     comm = Comm()
     threshold = comm.reduce_scatter_policy.all_reduce_min_numel
     assert threshold is not None and comm.reduce_scatter_policy == ReduceScatterPolicy.for_backend("gloo")
-    width = -(-threshold // ws_expected)
+    width = max(-(-threshold // ws_expected), 1)
     inputs = torch.ones(width * ws_expected)
     comm.reduce_scatter(inputs[:width] if comm.rank == 0 else torch.empty(width), inputs, inputs_writable=True)
     assert inputs[-1].item() == ws_expected  # the last rank's part was reduced here too: an all_reduce ran

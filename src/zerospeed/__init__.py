@@ -22,15 +22,20 @@ _LAZY = {
     "get_accelerator": "zerospeed.accelerator",
 }
 
-__all__ = ["__version__", *_LAZY]
+# Subpackages reachable as attributes after a bare ``import zerospeed`` (``zerospeed.zero.Init``).
+_SUBMODULES = ("zero", "utils", "checkpoint", "ops")
+
+__all__ = ["__version__", *_LAZY, "zero", "utils"]
 
 
 def __getattr__(name: str) -> Any:
+    import importlib
+
+    if name in _SUBMODULES:
+        return importlib.import_module(f"zerospeed.{name}")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'zerospeed' has no attribute {name!r}")
-    import importlib
-
     return getattr(importlib.import_module(module), name)
 
 

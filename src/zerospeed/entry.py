@@ -17,6 +17,8 @@ from zerospeed.dist.env import init_distributed
 from zerospeed.dist.mesh import ParallelDims
 from zerospeed.engine import Engine
 from zerospeed.zero.external import external_parameters
+from zerospeed.zero.flat_param import OWNER
+from zerospeed.zero.init import InitPartition
 from zerospeed.zero.optimizer import check_supported
 
 log = logging.getLogger("zerospeed")
@@ -123,10 +125,12 @@ def _resolved_config(source: Any, world: int) -> Config:
 
 
 def _broadcast_from_rank0(model: nn.Module, comm: Comm) -> None:
-    """Start every rank from rank 0's weights and buffers, as DDP and DeepSpeed do."""
+    """Start every rank from rank 0's weights and buffers, as DDP and DeepSpeed do (parameters
+    partitioned by zero.Init were broadcast when they were made)."""
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
-            comm.broadcast(tensor.data, src=0)
+            if not isinstance(getattr(tensor, OWNER, None), InitPartition):
+                comm.broadcast(tensor.data, src=0)
 
 
 def _model_state(model: nn.Module, cfg: Config, comm: Comm, policy: Any) -> Any:
@@ -135,6 +139,11 @@ def _model_state(model: nn.Module, cfg: Config, comm: Comm, policy: Any) -> Any:
 
     stage = int(cfg.zero_optimization.stage)
     if stage == 0:
+        for p in model.parameters():  # built under zero.Init but trained unsharded: make them whole
+            owner = getattr(p, OWNER, None)
+            if isinstance(owner, InitPartition):
+                p.data = owner.take_full().to(p.dtype)
+                delattr(p, OWNER)
         return _replicated(model, cfg, comm, policy)
     from zerospeed.zero.sharded import ShardedState
 

@@ -9,7 +9,9 @@ by several modules (tied weights) belongs to the first unit that reaches it.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
+
+import torch
 
 from torch import nn
 
@@ -28,8 +30,10 @@ def repeated_block_classes(model: nn.Module) -> tuple[type, ...]:
     return tuple(found)
 
 
-def module_units(model: nn.Module, unit_classes: Sequence[type] | None = None) -> Units:
-    """``(unit name, [(param name, shape), ...])`` in the order parameters are registered."""
+def module_units(model: nn.Module, unit_classes: Sequence[type] | None = None,
+                 shape_of: Callable[[torch.Tensor], tuple[int, ...]] = lambda p: tuple(p.shape)) -> Units:
+    """``(unit name, [(param name, shape), ...])`` in the order parameters are registered
+    (``shape_of`` reads a parameter's full shape when its data is a partition)."""
     classes = tuple(unit_classes) if unit_classes is not None else repeated_block_classes(model)
     block_of: dict[str, str] = {}  # module path -> the unit it belongs to
     for path, module in model.named_modules():
@@ -40,5 +44,5 @@ def module_units(model: nn.Module, unit_classes: Sequence[type] | None = None) -
         owner = next((unit for path, unit in block_of.items() if name.startswith(path + ".")), None)
         if owner is None:
             owner = name.split(".", 1)[0] if "." in name else ROOT
-        units.setdefault(owner, []).append((name, tuple(param.shape)))
+        units.setdefault(owner, []).append((name, shape_of(param)))
     return list(units.items())

@@ -1,1 +1,10 @@
-"""ZeRO data parallelism: gradient reduction (stage 0 now; stages 1-3 later)."""
+"""ZeRO data parallelism: stage 0 (replicated, bucketed all-reduce) and stages 1-3 (sharded).
+
+User-facing names follow ``deepspeed.zero``: :class:`Init`, :func:`GatheredParameters`,
+:func:`register_external_parameter`.
+"""
+
+from zerospeed.zero.external import register_external_parameter, unregister_external_parameter
+from zerospeed.zero.init import GatheredParameters, Init
+
+__all__ = ["GatheredParameters", "Init", "register_external_parameter", "unregister_external_parameter"]

@@ -1,12 +1,17 @@
 """A unit's parameters as views into one flat, padded buffer, of which each rank owns a shard.
 
 ``full`` holds the whole unit in the compute dtype; every model parameter's ``.data`` is a view into
-it, set once, so the module's own ``Parameter`` objects stay in place (optimizers, hooks and user
-code keep working). A *persistent* unit (stages 1-2, and small parameters under stage 3) keeps
-``full`` allocated and its ``shard`` is a view of it. Otherwise (stage 3) the shard is a separate
-tensor and ``full``'s storage is freed between uses (``resize_(0)``, as FSDP does): views, including
-the ones autograd saved for backward, keep pointing at the same storage, which :meth:`gather`
-re-allocates and fills, so backward sees the right values again without any tensor being re-made.
+it, so the module's own ``Parameter`` objects stay in place (optimizers, hooks and user code keep
+working). A *persistent* unit (stages 1-2, and small parameters under stage 3) keeps ``full``
+allocated and its ``shard`` is a view of it. Otherwise (stage 3) the shard is a separate tensor and
+``full``'s storage is freed between uses (``resize_(0)``, as FSDP does): views, including the ones
+autograd saved for backward, keep pointing at the same storage, which :meth:`gather` re-allocates
+and fills, so backward sees the right values again without any tensor being re-made. While released,
+each parameter's ``.data`` is an empty tensor (as in DeepSpeed), so touching a released parameter
+is a shape error rather than a read of freed memory.
+
+Each parameter carries one back-reference, ``param._zerospeed_owner``, to the object that holds its
+state (here a :class:`UnitParamRef`); everything else lives in the owner, never on the parameter.
 """
 
 from __future__ import annotations
@@ -17,13 +22,28 @@ from torch import nn
 from zerospeed.dist.comm import Comm, Handle
 from zerospeed.sharding.plan import UnitPlan
 
+OWNER = "_zerospeed_owner"
+
+
+def full_values(param: torch.Tensor) -> torch.Tensor:
+    """``param``'s full values: itself, or gathered from its ``zero.Init`` partition (collective)."""
+    owner = getattr(param, OWNER, None)
+    if owner is not None and hasattr(owner, "take_full"):
+        return owner.take_full()
+    return param.detach()
+
+
+def shape_of(param: torch.Tensor) -> tuple[int, ...]:
+    """The full shape, also for a parameter partitioned by ``zero.Init`` (whose data is empty)."""
+    owner = getattr(param, OWNER, None)
+    return tuple(owner.shape) if owner is not None and hasattr(owner, "shape") else tuple(param.shape)
+
 
 class FlatParamUnit:
     """The parameters of one unit, flat; see the module docstring."""
 
-    def __init__(self, plan: UnitPlan, params: list[nn.Parameter], comm: Comm, *, persistent: bool,
-                 shards_given: bool = False):
-        """``shards_given``: the params' ``.data`` already hold only this rank's pieces (zero.Init)."""
+    def __init__(self, plan: UnitPlan, params: list[nn.Parameter], comm: Comm, *, persistent: bool):
+        """Parameters partitioned by ``zero.Init`` are gathered one at a time to fill the unit."""
         if len(params) != len(plan.params):
             raise ValueError(f"unit {plan.name!r}: {len(params)} parameters for a plan of {len(plan.params)}")
         dtypes = {p.dtype for p in params}
@@ -39,14 +59,15 @@ class FlatParamUnit:
         device = params[0].device
         lo, hi = plan.shard_range(comm.rank)
         self.full = torch.zeros(plan.padded_numel, dtype=self.dtype, device=device)
-        if shards_given:
-            raise NotImplementedError  # filled in by zero.Init (see init.py)
         with torch.no_grad():
             for slot, p in zip(plan.params, params):
-                self.full[slot.offset: slot.end].copy_(p.detach().reshape(-1))
+                self.full[slot.offset: slot.end].copy_(full_values(p).reshape(-1))
         self.shard = self.full[lo:hi] if persistent else self.full[lo:hi].clone()
-        for slot, p in zip(plan.params, params):
-            p.data = self.full[slot.offset: slot.end].view(slot.shape)
+        self._views = [self.full[slot.offset: slot.end].view(slot.shape) for slot in plan.params]
+        self._empty = torch.empty(0, dtype=self.dtype, device=device)
+        for p, view in zip(params, self._views):
+            p.data = view
+        self.master: torch.Tensor | None = None  # this shard's fp32 master, when the optimizer keeps one
         self._pending: Handle | None = None
         self._gathered = True
         if not persistent:
@@ -67,6 +88,8 @@ class FlatParamUnit:
         if self.persistent or not self._gathered:
             return
         self.wait()
+        for p in self.params:
+            p.data = self._empty
         self.full.untyped_storage().resize_(0)
         self._gathered = False
 
@@ -77,6 +100,8 @@ class FlatParamUnit:
                 self.wait()
             return
         self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
+        for p, view in zip(self.params, self._views):
+            p.data = view
         self._gathered = True
         self._pending = self.comm.all_gather(self.full, self.shard, async_op=True)
         if not async_op:
@@ -95,16 +120,26 @@ class FlatParamUnit:
         return self.comm.all_gather(self.full, self.shard, async_op=async_op)
 
     def full_param(self, index: int) -> torch.Tensor:
-        """Parameter ``index``'s full values (gathered if needed; a copy when the unit is released)."""
-        slot = self.plan.params[index]
-        if self._gathered:
-            self.wait()
-            return self.full[slot.offset: slot.end].view(slot.shape)
+        """A copy of parameter ``index``'s full values (collective when the unit is released)."""
+        was_gathered = self._gathered
         self.gather()
         try:
-            return self.full[slot.offset: slot.end].view(slot.shape).clone()
+            return self._views[index].clone()
         finally:
-            self.release()
+            if not was_gathered:
+                self.release()
+
+    def gather_shard_values(self, shard_values: torch.Tensor) -> torch.Tensor:
+        """All-gather a shard-sized tensor laid out like this unit (grads, masters, optimizer states)
+        into a full padded one (collective)."""
+        out = torch.empty(self.plan.padded_numel, dtype=shard_values.dtype, device=shard_values.device)
+        self.comm.all_gather(out, shard_values.contiguous())
+        return out
+
+    def param_slice(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+        """Parameter ``index``'s part of a full padded tensor laid out like this unit, in its shape."""
+        slot = self.plan.params[index]
+        return flat[slot.offset: slot.end].view(slot.shape)
 
     def tensors(self) -> list[torch.Tensor]:
         """The buffers this unit holds right now (for memory accounting)."""

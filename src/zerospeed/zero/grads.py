@@ -103,6 +103,7 @@ class GradBuckets:
         self._finished_once = False  # every rank sets it in finish(): the re-layout never depends on local data
         self.reduce_this_step = True  # the engine turns this off inside an accumulation window
         self._next_launch = 0
+        self._window_done = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in trainable]
 
     def _layout(self, order: list[int]) -> None:
@@ -158,7 +159,11 @@ class GradBuckets:
 
     # -- boundary --------------------------------------------------------------------------
     def finish(self) -> None:
-        """Reduce every bucket not yet launched (unused parameters count as zero) and wait for all."""
+        """Reduce every bucket not yet launched (unused parameters count as zero) and wait for all.
+
+        Idempotent within a window (reading a gradient early, e.g. ``safe_get_full_grad``, finishes it)."""
+        if self._window_done:
+            return
         for bucket in self.buckets[self._next_launch:]:
             self._launch(bucket)
         self._next_launch = len(self.buckets)
@@ -173,6 +178,7 @@ class GradBuckets:
             bucket.handle = bucket.wire = None
             bucket.ready.clear()
         self._next_launch = 0
+        self._window_done = True
 
     def _relay(self) -> None:
         """Lay the buckets out in the order gradients actually arrived (rank 0's, so every rank
@@ -200,6 +206,7 @@ class GradBuckets:
         Nothing is cleared in memory: each slot is overwritten by its first gradient of the window,
         or zeroed when its bucket is sent without one, so buffers are only meaningful after ``finish``.
         """
+        self._window_done = False
         if not self._relaid and self._finished_once:
             self._relay()
         for bucket in self.buckets:

@@ -16,9 +16,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import math
+
 from torch import nn
 
 from zerospeed.sharding.units import ROOT, module_units
+from zerospeed.zero.flat_param import shape_of
 from zerospeed.zero.grads import plan_buckets
 
 PERSISTENT = "<persistent>"
@@ -39,7 +42,7 @@ class UnitSpec:
 
     @property
     def numel(self) -> int:
-        return sum(p.numel() for p in self.params)
+        return sum(math.prod(shape_of(p)) for p in self.params)
 
 
 def build_units(model: nn.Module, *, bucket_elems: int, persistence_threshold: int = 0,
@@ -48,12 +51,14 @@ def build_units(model: nn.Module, *, bucket_elems: int, persistence_threshold: i
     by_name = dict(model.named_parameters())
     units: list[UnitSpec] = []
     persistent: list[str] = []
-    for unit_name, entries in module_units(model, unit_classes):
+    numel = {name: math.prod(shape) for _, entries in module_units(model, unit_classes, shape_of)
+             for name, shape in entries}
+    for unit_name, entries in module_units(model, unit_classes, shape_of):
         names = []
         for name, _shape in entries:
-            (persistent if by_name[name].numel() < persistence_threshold else names).append(name)
+            (persistent if numel[name] < persistence_threshold else names).append(name)
         module_path = "" if unit_name == ROOT else unit_name
-        groups = plan_buckets([by_name[n].numel() for n in names], bucket_elems) if names else []
+        groups = plan_buckets([numel[n] for n in names], bucket_elems) if names else []
         for part, group in enumerate(groups):
             chosen = tuple(names[i] for i in group)
             label = unit_name if len(groups) == 1 else f"{unit_name}[{part}]"

@@ -98,6 +98,10 @@ class ZeroOptimizer:
         self.comm.all_reduce(total)
         return total[index].to(squares.dtype) if pieces else squares
 
+    def pieces(self) -> list[tuple[nn.Parameter, int, int, int]]:
+        """``(piece, unit index, offset in the shard, numel)`` for every piece on this rank."""
+        return list(self._grad_slices)
+
     # -- step -------------------------------------------------------------------------------
     def step(self, grad_shards: Sequence[torch.Tensor]) -> None:
         """Update the pieces from the (unscaled, clipped) gradient shards, then publish the shards."""

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from zerospeed.dist.comm import Comm
+from zerospeed.zero.flat_param import OWNER
 from zerospeed.zero.grads import GradBuckets, ReductionPolicy
 from zerospeed.zero.memory import storage_bytes
 
@@ -32,6 +33,8 @@ class ReplicatedState:
         self.buckets = GradBuckets(self.model_params, comm, bucket_elems=bucket_elems, accum_dtype=accum_dtype,
                                    policy=reduction)
         self.optimizer: torch.optim.Optimizer | None = None
+        for i, p in enumerate(self.model_params):
+            setattr(p, OWNER, ReplicatedParamRef(self, i))
 
     def adopt(self, optimizer: torch.optim.Optimizer) -> None:
         """Point the optimizer's groups at the fp32 masters (its state is still empty here)."""
@@ -97,3 +100,30 @@ class ReplicatedState:
 
     def remove_hooks(self) -> None:
         self.buckets.remove_hooks()
+
+
+class ReplicatedParamRef:
+    """A parameter's back-reference to the stage-0 state (masters, buckets, optimizer state)."""
+
+    def __init__(self, state: ReplicatedState, index: int):
+        self.state, self.index = state, index
+
+    def _master(self) -> torch.Tensor:
+        return self.state.master_params[self.index]
+
+    def full_fp32(self) -> torch.Tensor:
+        return self._master().detach().float().clone()
+
+    def full_grad(self) -> torch.Tensor | None:
+        self.state.buckets.finish()  # averaged (waits for the reduction of the window's last backward)
+        return self.state.buckets.grad_of(self.state.model_params[self.index]).float().clone()
+
+    def full_optimizer_state(self, key: str) -> torch.Tensor | None:
+        optimizer = self.state.optimizer
+        value = optimizer.state.get(self._master(), {}).get(key) if optimizer is not None else None
+        return value.clone() if isinstance(value, torch.Tensor) else None
+
+    def set_full_fp32(self, value: torch.Tensor) -> None:
+        with torch.no_grad():
+            self._master().copy_(value)
+            self.state.model_params[self.index].copy_(value)

@@ -15,7 +15,7 @@ from torch import nn
 
 from zerospeed.dist.comm import Comm
 from zerospeed.sharding.plan import ShardPlan
-from zerospeed.zero.flat_param import FlatParamUnit
+from zerospeed.zero.flat_param import OWNER, FlatParamUnit, shape_of
 from zerospeed.zero.grads import ReductionPolicy
 from zerospeed.zero.layout import UnitSpec, build_units, module_users
 from zerospeed.zero.memory import storage_bytes
@@ -39,7 +39,7 @@ class ShardedState:
         specs = build_units(model, bucket_elems=max(int(zero_cfg.reduce_bucket_size), 1),
                             persistence_threshold=threshold)
         self.specs = specs
-        self.plan = ShardPlan.build([(s.name, [(n, tuple(p.shape)) for n, p in zip(s.param_names, s.params)])
+        self.plan = ShardPlan.build([(s.name, [(n, shape_of(p)) for n, p in zip(s.param_names, s.params)])
                                      for s in specs], comm.world_size)
         self.units = [FlatParamUnit(plan, list(spec.params), comm, persistent=stage < 3 or spec.persistent)
                       for plan, spec in zip(self.plan.units, specs)]
@@ -54,6 +54,10 @@ class ShardedState:
                                     max_reuse_distance=int(zero_cfg.max_reuse_distance),
                                     overlap=zero_cfg.overlap_comm is not False)
             self.coordinator = ParamCoordinator(model, self.units, module_users(model, specs, external), policy)
+        for u, unit in enumerate(self.units):
+            unit.master = self.zero_optimizer.masters[u]
+            for i, p in enumerate(unit.params):
+                setattr(p, OWNER, UnitParamRef(self, u, i))
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -104,6 +108,50 @@ class ShardedState:
         for unit in self.units:
             unit.release()
 
+    # -- full views of one parameter (zerospeed.utils.safe_get_* ; collective) --------------
+    def full_fp32(self, unit_index: int, index: int) -> torch.Tensor:
+        unit = self.units[unit_index]
+        return unit.param_slice(unit.gather_shard_values(self.zero_optimizer.masters[unit_index]), index).float()
+
+    def full_grad(self, unit_index: int, index: int) -> torch.Tensor | None:
+        unit = self.units[unit_index]
+        if not unit.trainable[index]:
+            return None
+        return unit.param_slice(unit.gather_shard_values(self.grads.units[unit_index].shard), index).float()
+
+    def full_optimizer_state(self, unit_index: int, index: int, key: str) -> torch.Tensor | None:
+        unit = self.units[unit_index]
+        shard = torch.zeros(unit.plan.shard_numel, dtype=torch.float32, device=unit.shard.device)
+        found = torch.zeros(1, device=unit.shard.device)
+        optimizer = self.zero_optimizer.optimizer
+        for piece, u, offset, numel in self.zero_optimizer.pieces():
+            value = optimizer.state.get(piece, {}).get(key) if optimizer is not None else None
+            if u == unit_index and isinstance(value, torch.Tensor) and value.numel() == numel:
+                shard[offset: offset + numel].copy_(value.reshape(-1))
+                found += 1
+        self.comm.all_reduce(found)
+        if not found.item() or not unit.trainable[index]:
+            return None
+        return unit.param_slice(unit.gather_shard_values(shard), index).clone()
+
+    def set_full_fp32(self, unit_index: int, index: int, value: torch.Tensor) -> None:
+        """Overwrite one parameter everywhere it lives on this rank (every rank passes the same value;
+        no communication)."""
+        unit = self.units[unit_index]
+        slot = unit.plan.params[index]
+        if tuple(value.shape) != slot.shape:
+            raise ValueError(f"{slot.name}: value has shape {tuple(value.shape)}, the parameter {slot.shape}")
+        flat = value.detach().reshape(-1)
+        with torch.no_grad():
+            for piece in unit.plan.pieces(self.comm.rank):
+                if piece.param == slot.name:
+                    part = flat[piece.start: piece.end]
+                    self.zero_optimizer.masters[unit_index][piece.shard_offset: piece.shard_offset + piece.numel].copy_(part)
+                    unit.shard[piece.shard_offset: piece.shard_offset + piece.numel].copy_(part)
+            if unit.persistent or unit.gathered:
+                unit.wait()
+                unit.param_slice(unit.full, index).copy_(value)
+
     def memory_breakdown(self) -> dict[str, int]:
         unit_tensors = [t for unit in self.units for t in unit.tensors()]
         resident = [u.full for u in self.units if u.persistent] + [u.shard for u in self.units if not u.persistent]
@@ -122,4 +170,27 @@ class ShardedState:
             self.coordinator.remove_hooks()
 
 
-__all__ = ["ShardedState", "UnitSpec"]
+class UnitParamRef:
+    """A parameter's back-reference to the ZeRO state that holds its shards."""
+
+    def __init__(self, state: ShardedState, unit_index: int, index: int):
+        self.state, self.unit_index, self.index = state, unit_index, index
+
+    @property
+    def unit(self) -> FlatParamUnit:
+        return self.state.units[self.unit_index]
+
+    def full_fp32(self) -> torch.Tensor:
+        return self.state.full_fp32(self.unit_index, self.index)
+
+    def full_grad(self) -> torch.Tensor | None:
+        return self.state.full_grad(self.unit_index, self.index)
+
+    def full_optimizer_state(self, key: str) -> torch.Tensor | None:
+        return self.state.full_optimizer_state(self.unit_index, self.index, key)
+
+    def set_full_fp32(self, value: torch.Tensor) -> None:
+        self.state.set_full_fp32(self.unit_index, self.index, value)
+
+
+__all__ = ["ShardedState", "UnitParamRef", "UnitSpec"]

@@ -1,0 +1,220 @@
+"""``zero.Init``: build a model already partitioned; ``GatheredParameters``: see it whole for a while.
+
+Under :class:`Init`, every module's parameters are partitioned as soon as that module's
+``__init__`` returns: rank 0's values are broadcast (so every rank starts from the same weights
+whatever its seed), each rank keeps an even 1/N slice, and the full tensor is dropped. Peak memory
+is then about one module's parameters plus this rank's shards, so a model larger than one rank's
+memory can be built. :func:`zerospeed.initialize` later moves these partitions into its ZeRO-3
+units, one parameter at a time.
+
+:class:`GatheredParameters` gathers partitioned parameters (by ``zero.Init`` or by a ZeRO-3 engine)
+for a ``with`` block. With ``modifier_rank=r``, rank ``r``'s in-place edits are broadcast on exit and
+become every rank's shards (and fp32 masters). Every rank must enter it with the same parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zerospeed.dist.comm import Comm
+from zerospeed.zero.flat_param import OWNER
+
+
+class InitPartition:
+    """One parameter partitioned by ``zero.Init``: this rank's even slice and the full shape."""
+
+    def __init__(self, param: nn.Parameter, comm: Comm):
+        self.param = param
+        self.comm = comm
+        self.shape = tuple(param.shape)
+        self.numel = param.numel()
+        self.width = -(-self.numel // comm.world_size)
+        flat = torch.zeros(self.width * comm.world_size, dtype=param.dtype, device=param.device)
+        with torch.no_grad():
+            flat[: self.numel].copy_(param.detach().reshape(-1))
+        comm.broadcast(flat, src=0)
+        self.shard = flat[comm.rank * self.width: (comm.rank + 1) * self.width].clone()
+        self._empty = torch.empty(0, dtype=param.dtype, device=param.device)
+        self._gathered: torch.Tensor | None = None
+        param.data = self._empty
+
+    def gather(self) -> None:
+        if self._gathered is not None:
+            return
+        full = torch.empty(self.width * self.comm.world_size, dtype=self.shard.dtype, device=self.shard.device)
+        self.comm.all_gather(full, self.shard)
+        self._gathered = full
+        self.param.data = full[: self.numel].view(self.shape)
+
+    def release(self, modifier_rank: int | None) -> None:
+        if self._gathered is None:
+            return
+        if modifier_rank is not None:
+            self.comm.broadcast(self._gathered, src=modifier_rank)
+            lo = self.comm.rank * self.width
+            self.shard.copy_(self._gathered[lo: lo + self.width])
+        self._gathered = None
+        self.param.data = self._empty
+
+    def take_full(self) -> torch.Tensor:
+        """The full values (collective); afterwards this partition is dropped (the engine owns them)."""
+        self.gather()
+        values = self.param.data
+        self._gathered = None
+        return values
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.shard]
+
+
+def _all_module_classes() -> list[type]:
+    seen, todo = [], [nn.Module]
+    while todo:
+        cls = todo.pop()
+        for sub in cls.__subclasses__():
+            if sub not in seen:
+                seen.append(sub)
+                todo.append(sub)
+    return seen
+
+
+class Init(contextlib.ContextDecorator):
+    """Partition each module's parameters as it is constructed (see the module docstring).
+
+    ``config`` (a dict, path or :class:`~zerospeed.config.Config`) sets the parameter dtype from
+    its fp16/bf16 sections unless ``dtype`` is given; ``enabled=False`` makes it a no-op.
+    Needs an initialized process group (:func:`zerospeed.init_distributed`).
+    """
+
+    def __init__(self, module: nn.Module | None = None, *, config: Any = None, config_dict_or_path: Any = None,
+                 enabled: bool = True, dtype: torch.dtype | None = None, comm: Comm | None = None,
+                 **ignored: Any):
+        self.enabled = enabled
+        self.dtype = dtype if dtype is not None else _dtype_from(config if config is not None else config_dict_or_path)
+        self._comm = comm
+        self._patched: list[tuple[type, Any]] = []
+        if module is not None and enabled:  # DeepSpeed's Init(module=...) partitions an existing model
+            for sub in module.modules():
+                self._partition(sub)
+
+    @property
+    def comm(self) -> Comm:
+        if self._comm is None:
+            if not dist.is_initialized():
+                from zerospeed.dist.env import init_distributed
+
+                init_distributed()
+            self._comm = Comm(name="zero.Init")
+        return self._comm
+
+    def __enter__(self) -> "Init":
+        if not self.enabled:
+            return self
+        _ = self.comm
+        for cls in _all_module_classes():
+            if "__init__" in cls.__dict__:
+                self._wrap(cls)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for cls, original in reversed(self._patched):
+            cls.__init__ = original
+        self._patched = []
+
+    def _wrap(self, cls: type) -> None:
+        original = cls.__dict__["__init__"]
+        init = self
+
+        def __init__(module: nn.Module, *args: Any, **kwargs: Any) -> None:
+            original(module, *args, **kwargs)
+            if _most_derived_init(module) is cls:  # not inside a subclass's super().__init__()
+                init._partition(module)
+
+        __init__.__wrapped__ = original  # type: ignore[attr-defined]
+        cls.__init__ = __init__
+        self._patched.append((cls, original))
+
+    def _partition(self, module: nn.Module) -> None:
+        """Partition every parameter of ``module``'s subtree not yet partitioned."""
+        for param in module.parameters():
+            if getattr(param, OWNER, None) is not None:
+                continue
+            if self.dtype is not None and param.is_floating_point() and param.dtype != self.dtype:
+                param.data = param.data.to(self.dtype)
+            setattr(param, OWNER, InitPartition(param, self.comm))
+
+
+def _most_derived_init(module: nn.Module) -> type:
+    """The class whose ``__init__`` runs last for ``module`` (a subclass's ``super().__init__()``
+    returns before the subclass has finished making its parameters)."""
+    return next(c for c in type(module).__mro__ if "__init__" in c.__dict__)
+
+
+def _dtype_from(config: Any) -> torch.dtype | None:
+    if config is None:
+        return None
+    from zerospeed.config import Config, load_config
+
+    cfg = config if isinstance(config, Config) else load_config(config)
+    from zerospeed.precision.policy import policy_from_config
+
+    return policy_from_config(cfg).param_dtype
+
+
+@contextlib.contextmanager
+def GatheredParameters(params: nn.Parameter | Iterable[nn.Parameter], modifier_rank: int | None = None,
+                       fwd_module: nn.Module | None = None, enabled: bool = True) -> Iterator[None]:
+    """Make partitioned parameters whole inside the block (a no-op for parameters that are not)."""
+    if isinstance(params, torch.Tensor):
+        params = [params]
+    params = [p for p in params if p is not None]
+    if not enabled:
+        yield
+        return
+    owners = [getattr(p, OWNER, None) for p in params]
+    partitions = [o for o in owners if isinstance(o, InitPartition)]
+    units = []
+    for owner in owners:
+        unit = getattr(owner, "unit", None)
+        if unit is not None and not unit.persistent and all(unit is not u for u, _ in units):
+            units.append((unit, unit.gathered))
+    for partition in partitions:
+        partition.gather()
+    for unit, _ in units:
+        unit.gather()
+    try:
+        yield
+    finally:
+        for partition in partitions:
+            partition.release(modifier_rank)
+        for unit, was_gathered in units:
+            if modifier_rank is not None:
+                _adopt_edits(unit, modifier_rank)
+            if not was_gathered:
+                unit.release()
+        if modifier_rank is not None:
+            _adopt_persistent_edits([o for o in owners if getattr(o, "unit", None) is not None
+                                     and o.unit.persistent], modifier_rank)
+
+
+def _adopt_edits(unit: Any, modifier_rank: int) -> None:
+    """Broadcast ``modifier_rank``'s full unit and make it every rank's shard and fp32 master."""
+    unit.comm.broadcast(unit.full, src=modifier_rank)
+    lo, hi = unit.plan.shard_range(unit.comm.rank)
+    with torch.no_grad():
+        unit.shard.copy_(unit.full[lo:hi])
+        if unit.master is not None and unit.master is not unit.shard:
+            unit.master.copy_(unit.shard)
+
+
+def _adopt_persistent_edits(owners: list[Any], modifier_rank: int) -> None:
+    seen: list[Any] = []
+    for owner in owners:
+        if all(owner.unit is not u for u in seen):
+            seen.append(owner.unit)
+            _adopt_edits(owner.unit, modifier_rank)
