@@ -25,6 +25,7 @@ test: install
 bench: install
 	$(BIN)/python benchmarks/bench_comm.py
 	$(BIN)/python benchmarks/bench_ddp.py
+	$(BIN)/python benchmarks/bench_zero.py --quick
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache
