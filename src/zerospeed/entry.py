@@ -72,8 +72,9 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     policy.cast_module(model)
     _broadcast_from_rank0(model, comm)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    state = _model_state(model, cfg, comm, policy)
+    # The optimizer is made while the parameters are still whole (Adagrad makes its state at once).
     opt = _build_optimizer(optimizer, model_parameters, trainable, cfg)
+    state = _model_state(model, cfg, comm, policy)
     if opt is not None:
         if state.stage > 0:
             check_supported(opt, cfg.zero_allow_untested_optimizer)

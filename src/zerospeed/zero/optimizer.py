@@ -49,6 +49,8 @@ class ZeroOptimizer:
         self.piece_of: dict[int, nn.Parameter] = {}  # id(model parameter) -> its master piece here
         self._grad_slices: list[tuple[nn.Parameter, int, int, int]] = []  # piece, unit, offset, numel
         self._global_index: dict[int, int] = {}  # id(piece) -> index of its model parameter
+        # id(piece) -> its [start, end) in its parameter, and the parameter's numel
+        self._piece_range: dict[int, tuple[int, int, int]] = {}
         index = 0
         for u, unit in enumerate(self.units):
             master = unit.shard if unit.shard.dtype == master_dtype else unit.shard.detach().to(master_dtype)
@@ -60,6 +62,7 @@ class ZeroOptimizer:
                     continue
                 view = nn.Parameter(master[piece.shard_offset: piece.shard_offset + piece.numel])
                 self.piece_of[id(unit.params[i])] = view
+                self._piece_range[id(view)] = (piece.start, piece.end, unit.plan.params[i].numel)
                 self._grad_slices.append((view, u, piece.shard_offset, piece.numel))
             for i, p in enumerate(unit.params):
                 if unit.trainable[i]:
@@ -71,15 +74,19 @@ class ZeroOptimizer:
 
     # -- wiring -----------------------------------------------------------------------------
     def adopt(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Point ``optimizer``'s groups at this rank's pieces (its state must still be empty)."""
-        if any(optimizer.state.values()):
-            raise ValueError("the optimizer already has state; under ZeRO pass a fresh optimizer to initialize")
+        """Point ``optimizer``'s groups at this rank's pieces, moving any state it already has (Adagrad
+        makes its accumulators at construction) to the pieces as their slices."""
         known = {id(p) for unit in self.units for p in unit.params}
         for g, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
                 if id(p) not in known:
                     raise ValueError(f"optimizer param group {g} holds a tensor of shape {tuple(p.shape)} that is "
                                      f"not a parameter of the model; ZeRO shards only the model's parameters")
+            for p in group["params"]:
+                state = optimizer.state.pop(p, None)
+                piece = self.piece_of.get(id(p))
+                if state and piece is not None:
+                    optimizer.state[piece] = self._slice_state(state, p, piece, group)
             group["params"] = [self.piece_of[id(p)] for p in group["params"] if id(p) in self.piece_of]
         if isinstance(optimizer, Lamb):
             if any(group.get("max_grad_norm", 0) > 0 for group in optimizer.param_groups):
@@ -87,6 +94,19 @@ class ZeroOptimizer:
             optimizer.norm_reducer = self.reduce_piece_norms
         self.optimizer = optimizer
         return optimizer
+
+    def _slice_state(self, state: dict, param: torch.Tensor, piece: nn.Parameter, group: dict) -> dict:
+        start, end, numel = self._piece_range[id(piece)]
+        out = {}
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == 0 < piece.numel():
+                # made from an already partitioned (empty) parameter: as Adagrad would make it
+                out[key] = torch.full_like(piece, float(group.get("initial_accumulator_value", 0.0)))
+            elif isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == numel:
+                out[key] = value.detach().reshape(-1)[start:end].to(piece.dtype).clone()
+            else:
+                out[key] = value
+        return out
 
     def reduce_piece_norms(self, pieces: list[torch.Tensor], squares: torch.Tensor) -> torch.Tensor:
         """Whole-parameter squared norms for ``pieces`` from their local squared norms (collective:

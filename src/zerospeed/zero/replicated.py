@@ -43,6 +43,12 @@ class ReplicatedState:
             return
         by_id = {id(p): m for p, m in zip(self.model_params, self.master_params, strict=True)}
         for group in optimizer.param_groups:
+            for p in group["params"]:  # state made at construction (Adagrad) moves to the master
+                state = optimizer.state.pop(p, None)
+                if state and id(p) in by_id:
+                    optimizer.state[by_id[id(p)]] = {
+                        k: v.to(by_id[id(p)].dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                        for k, v in state.items()}
             group["params"] = [by_id.get(id(p), p) for p in group["params"]]
 
     # -- backward ---------------------------------------------------------------------------
