@@ -171,3 +171,30 @@ def test_a_1b_model_builds_under_init_within_45_percent_of_its_fp32_size_per_ran
         assert out["inside"] == (4096, 4096) and out["outside"] == (0,) and out["same"], rank
         assert out["peak"] < 0.45 * full_fp32, f"rank {rank} peaked at {out['peak'] / 2**30:.2f} GiB, " \
                                                 f"45% of {full_fp32 / 2**30:.2f} GiB is the limit"
+
+
+def _one_rank_skips(stage: int) -> str:
+    import time
+
+    torch.manual_seed(0)
+    engine, *_ = zerospeed.initialize(model=Net(), config=_config(stage))
+    if engine.comm.rank == 1:
+        time.sleep(6)  # alive but never enters the collective rank 0 waits in
+        return "skipped"
+    idx = torch.zeros(2, 6, dtype=torch.long)
+    try:
+        engine.backward(engine(idx).float().mean())
+    except zerospeed.dist.comm.CollectiveTimeout as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize(("stage", "operation"), [(3, "all_gather"), (2, "reduce_scatter")])
+def test_a_collective_only_some_ranks_enter_fails_within_the_timeout(stage: int, operation: str) -> None:
+    import time
+
+    start = time.monotonic()
+    message = run_distributed(_one_rank_skips, 2, stage, timeout=60, pg_timeout=3)[0]
+    assert message.startswith(operation) and "did not complete within 3s" in message, message
+    assert "ranks that did not arrive: [1]" in message, message
+    assert time.monotonic() - start < 40

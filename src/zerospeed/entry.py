@@ -13,7 +13,7 @@ from zerospeed.accelerator import get_accelerator
 from zerospeed.config import Config, ConfigError, load_config, resolve_batch
 from zerospeed.data.loader import DistributedLoader
 from zerospeed.dist.comm import Comm
-from zerospeed.dist.env import init_distributed
+from zerospeed.dist.env import DEFAULT_TIMEOUT, init_distributed, process_group_timeout
 from zerospeed.dist.mesh import ParallelDims
 from zerospeed.engine import Engine
 from zerospeed.zero.external import external_parameters
@@ -60,7 +60,10 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     if source is None:
         raise ValueError("no config: pass config= (a dict or a JSON path) or args with --deepspeed_config")
     info = init_distributed(dist_init_required=dist_init_required)
-    mesh = ParallelDims(world_size=torch.distributed.get_world_size()).build()
+    # Collectives time out as the process group was asked to (init_distributed(timeout=...)).
+    pg_timeout = process_group_timeout()
+    mesh = ParallelDims(world_size=torch.distributed.get_world_size()).build(
+        **({} if pg_timeout == DEFAULT_TIMEOUT else {"timeout": pg_timeout}))
     comm = mesh.dp
     cfg = _resolved_config(source, comm.world_size)
     cfg.check_implemented(IMPLEMENTED)

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal, Mapping
 
+import torch
 import torch.distributed as dist
 
 from zerospeed.accelerator import get_accelerator
@@ -213,6 +214,16 @@ def init_distributed(
     if verbose and info.rank == 0:
         print(f"zerospeed: {backend} process group of {info.world_size} ranks ({info.source})", flush=True)
     return info
+
+
+def process_group_timeout(default: datetime.timedelta = DEFAULT_TIMEOUT) -> datetime.timedelta:
+    """The timeout the default process group was started with (``init_distributed(timeout=...)``),
+    so zerospeed's own collectives time out when the user asked them to."""
+    try:
+        backend = dist.group.WORLD._get_backend(torch.device(get_accelerator().device_type))
+        return backend.options._timeout
+    except Exception:  # older torch, or a backend without options: keep the default
+        return default
 
 
 def _agent_hosts_store(env: Mapping[str, str]) -> bool:

@@ -13,6 +13,7 @@ ever orphaned.
 
 from __future__ import annotations
 
+import datetime
 import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection as mpc
@@ -53,6 +54,7 @@ class _RankSetup:
     port: int
     threads: int
     stack_file: str
+    pg_timeout: float | None = None
 
 
 def _exit_when_parent_dies(lifeline: mpc.Connection) -> None:
@@ -79,7 +81,8 @@ def _rank_main(fn: Callable[..., Any], setup: _RankSetup, conn: mpc.Connection, 
     report: _Report
     try:
         store = dist.TCPStore(_HOST, setup.port, world_size, is_master=False)
-        dist_env.init_distributed(dist_backend="gloo", store=store)
+        extra = {} if setup.pg_timeout is None else {"timeout": datetime.timedelta(seconds=setup.pg_timeout)}
+        dist_env.init_distributed(dist_backend="gloo", store=store, **extra)
         report = _Report(rank, "ok", fn(*args, **kwargs))
     except BaseException as exc:  # noqa: BLE001 - every outcome must reach the parent
         if type(exc).__name__ == "Skipped":  # pytest.skip, without importing pytest here
@@ -99,11 +102,13 @@ def _rank_main(fn: Callable[..., Any], setup: _RankSetup, conn: mpc.Connection, 
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
-                    threads_per_rank: int | None = None, **kwargs: Any) -> list[Any]:
+                    threads_per_rank: int | None = None, pg_timeout: float | None = None,
+                    **kwargs: Any) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return each rank's result.
 
     ``fn`` must be importable by name (defined at module level). Inside it the default process
-    group is up: build a :class:`zerospeed.dist.Comm` and go.
+    group is up (started with ``pg_timeout`` seconds, as ``init_distributed(timeout=...)`` would,
+    when given): build a :class:`zerospeed.dist.Comm` and go.
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
@@ -118,7 +123,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
             for rank in range(world_size):
                 parent_end, child_end = ctx.Pipe(duplex=False)
                 life_read, life_write = ctx.Pipe(duplex=False)
-                setup = _RankSetup(rank, world_size, store.port, threads, str(Path(stacks) / f"rank{rank}.txt"))
+                setup = _RankSetup(rank, world_size, store.port, threads, str(Path(stacks) / f"rank{rank}.txt"),
+                                   pg_timeout)
                 proc = ctx.Process(target=_rank_main, name=f"zerospeed-rank{rank}", daemon=True,
                                    args=(fn, setup, child_end, life_read, args, kwargs))
                 proc.start()
