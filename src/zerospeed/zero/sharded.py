@@ -43,8 +43,9 @@ class ShardedState:
                                      for s in specs], comm.world_size)
         self.units = [FlatParamUnit(plan, list(spec.params), comm, persistent=stage < 3 or spec.persistent)
                       for plan, spec in zip(self.plan.units, specs)]
+        overlap = zero_cfg.overlap_comm is not False  # DeepSpeed's None: on where it matters
         self.grads = ShardedGrads(self.units, comm, GradSharding.for_stage(stage), accum_dtype=accum_dtype,
-                                  policy=reduction)
+                                  policy=reduction, overlap=overlap)
         self.zero_optimizer = ZeroOptimizer(self.units, comm, master_dtype=master_dtype,
                                             allgather_bucket_elems=int(zero_cfg.allgather_bucket_size))
         self.coordinator: ParamCoordinator | None = None
@@ -52,7 +53,7 @@ class ShardedState:
             policy = PrefetchPolicy(prefetch_elems=int(zero_cfg.prefetch_bucket_size),
                                     max_live_elems=int(zero_cfg.max_live_parameters),
                                     max_reuse_distance=int(zero_cfg.max_reuse_distance),
-                                    overlap=zero_cfg.overlap_comm is not False)
+                                    overlap=overlap)
             self.coordinator = ParamCoordinator(model, self.units, module_users(model, specs, external), policy)
         for u, unit in enumerate(self.units):
             unit.master = self.zero_optimizer.masters[u]

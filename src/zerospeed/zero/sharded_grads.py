@@ -75,8 +75,11 @@ class ShardedGrads:
     """Gradient accumulation and reduce-scatter over the units of a ZeRO-1/2/3 model."""
 
     def __init__(self, units: Sequence[FlatParamUnit], comm: Comm, sharding: GradSharding, *,
-                 accum_dtype: torch.dtype = torch.float32, policy: ReductionPolicy = ReductionPolicy()):
+                 accum_dtype: torch.dtype = torch.float32, policy: ReductionPolicy = ReductionPolicy(),
+                 overlap: bool = True):
+        """``overlap=False`` (``overlap_comm: false``) waits for each reduction as it is launched."""
         self.comm = comm
+        self.overlap = overlap
         self.sharding = sharding
         self.policy = policy
         self.units = [_UnitGrads(u, accum_dtype, sharding.keep_full) for u in units]
@@ -152,6 +155,8 @@ class ShardedGrads:
         self.policy.before(wire, self.comm.world_size)
         g.wire = wire
         g.handle = self.comm.reduce_scatter(wire[g.lo:g.hi], wire, async_op=True, inputs_writable=True)
+        if not self.overlap:
+            g.handle.wait()
 
     def end_backward(self) -> None:
         """After backward: reduce what is left (in order) and wait, when this backward reduces."""
