@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from zerospeed.dist.comm import Comm, Handle
+from zerospeed.sharding.flat import FlatUnit
 from zerospeed.sharding.plan import UnitPlan
 
 OWNER = "_zerospeed_owner"
@@ -57,13 +58,13 @@ class FlatParamUnit:
         self.trainable = [p.requires_grad for p in params]
         self.dtype = params[0].dtype
         device = params[0].device
-        lo, hi = plan.shard_range(comm.rank)
-        self.full = torch.zeros(plan.padded_numel, dtype=self.dtype, device=device)
+        flat = FlatUnit(plan, dtype=self.dtype, device=device)
+        self.full = flat.buffer
+        self._views = [flat.views[slot.name] for slot in plan.params]
         with torch.no_grad():
-            for slot, p in zip(plan.params, params):
-                self.full[slot.offset: slot.end].copy_(full_values(p).reshape(-1))
-        self.shard = self.full[lo:hi] if persistent else self.full[lo:hi].clone()
-        self._views = [self.full[slot.offset: slot.end].view(slot.shape) for slot in plan.params]
+            for view, p in zip(self._views, params):
+                view.copy_(full_values(p).reshape(view.shape))
+        self.shard = flat.shard(comm.rank) if persistent else flat.shard(comm.rank).clone()
         self._empty = torch.empty(0, dtype=self.dtype, device=device)
         for p, view in zip(params, self._views):
             p.data = view
