@@ -84,6 +84,15 @@ def _run_deepspeed(jobs: list[tuple[str, str]], spec: dict, timeout: float):
                                     f"{tail[-1]}")
 
 
+def _load() -> str:
+    """The 1-minute load average: on a shared machine, other work skews the step times."""
+    try:
+        with open("/proc/loadavg") as f:
+            return f.read().split()[0]
+    except OSError:
+        return "n/a"
+
+
 def _mib(n: float | None) -> str:
     return "n/a" if n is None else f"{n / 2**20:.0f}"
 
@@ -128,7 +137,8 @@ def main() -> None:
     print(f"GPT {spec['layers']} layers, width {spec['width']}, vocab {spec['vocab']}, seq {spec['seq']}: "
           f"{gb.num_params(spec) / 1e6:.1f} M params; micro-batch {spec['batch']}/rank; {WORLD} gloo ranks x 1 "
           f"thread; torch {torch.__version__}; AdamW {gb.ADAMW}, clip {gb.CLIP}; "
-          f"{spec['warmup']} warm-up + {spec['steps']} timed steps", flush=True)
+          f"{spec['warmup']} warm-up + {spec['steps']} timed steps; {os.cpu_count()} cores, load average "
+          f"{_load()} at start", flush=True)
     results: dict[tuple[str, str], dict] = {}
     errors: dict[tuple[str, str], str] = {}
 
@@ -142,7 +152,7 @@ def main() -> None:
                 raise RuntimeError(failed[0]["error"])
             results[key] = gb.summarize(outcome)
             print(f"  {system:<11} {precision}: {results[key]['median']:.3f} s/step "
-                  f"(wall {time.perf_counter() - t0:.0f} s incl. start-up)", flush=True)
+                  f"(wall {time.perf_counter() - t0:.0f} s incl. start-up; load average {_load()})", flush=True)
         except Exception as exc:  # noqa: BLE001 - print and go on
             msg = [ln for ln in f"{type(exc).__name__}: {exc}".strip().splitlines() if ln.strip()]
             errors[key] = next((ln for ln in reversed(msg) if "Error" in ln), msg[0])[:300]
