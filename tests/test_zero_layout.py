@@ -33,7 +33,7 @@ def test_units_follow_blocks_and_top_level_children() -> None:
     units = build_units(Model(), bucket_elems=10**9)
     assert [(u.name, u.param_names, u.module_path) for u in units] == [  # named_parameters() order
         ("<root>", ("scale",), ""),
-        ("emb", ("emb.weight",), "emb"),
+        ("emb", ("emb.weight",), None),  # not a block: the modules holding its parameters gather it
         ("blocks.0", ("blocks.0.fc.weight", "blocks.0.fc.bias", "blocks.0.norm.weight", "blocks.0.norm.bias"),
          "blocks.0"),
         ("blocks.1", ("blocks.1.fc.weight", "blocks.1.fc.bias", "blocks.1.norm.weight", "blocks.1.norm.bias"),
@@ -55,10 +55,29 @@ def test_a_unit_larger_than_the_bucket_is_cut_at_parameter_boundaries() -> None:
 def test_small_parameters_become_one_persistent_unit() -> None:
     units = build_units(Model(), bucket_elems=10**9, persistence_threshold=11)
     persistent = units[-1]
-    assert persistent.name == PERSISTENT and persistent.persistent and persistent.module_path is None
+    assert persistent.name == PERSISTENT and persistent.persistent
     assert persistent.param_names == ("scale", "blocks.0.fc.bias", "blocks.0.norm.weight", "blocks.0.norm.bias",
                                       "blocks.1.fc.bias", "blocks.1.norm.weight", "blocks.1.norm.bias")
     assert [u.name for u in units[:-1]] == ["emb", "blocks.0", "blocks.1"]
+
+
+class Container(nn.Module):
+    """nanoGPT's layout: a ModuleDict whose own forward never runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(wte=nn.Embedding(30, 10), h=nn.ModuleList(Block() for _ in range(2)),
+                                              ln_f=nn.LayerNorm(10)))
+
+
+def test_a_container_that_is_never_called_is_gathered_by_the_modules_holding_its_parameters() -> None:
+    model = Container()
+    units = build_units(model, bucket_elems=10**9)
+    assert [(u.name, u.module_path) for u in units] == [
+        ("transformer", None), ("transformer.h.0", "transformer.h.0"), ("transformer.h.1", "transformer.h.1")]
+    users = module_users(model, units)
+    assert users == {"transformer.h.0": [1], "transformer.h.1": [2], "transformer.wte": [0],
+                     "transformer.ln_f": [0]}
 
 
 def test_tied_and_external_parameters_are_gathered_by_their_users() -> None:

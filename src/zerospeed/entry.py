@@ -72,6 +72,7 @@ def initialize(args: Any = None, model: nn.Module | None = None,
 
     policy = policy_from_config(cfg)
     model.to(get_accelerator().device(info.local_rank))
+    _detach_previous_engine(model)
     policy.cast_module(model)
     _broadcast_from_rank0(model, comm)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -126,6 +127,19 @@ def _resolved_config(source: Any, world: int) -> Config:
         raise ConfigError("\n".join(f'{key}: "auto" has no value zerospeed can derive here; set it in the config'
                                     for key in sorted(pending)))
     return cfg
+
+
+def _detach_previous_engine(model: nn.Module) -> None:
+    """A model given to ``initialize`` again leaves its previous engine (whose hooks would otherwise
+    take every gradient first): parameters are made whole and unhooked, the old engine is dead."""
+    states: list[Any] = []
+    for p in model.parameters():
+        state = getattr(getattr(p, OWNER, None), "state", None)
+        if state is not None and all(state is not known for known in states):
+            states.append(state)
+    for state in states:
+        log.warning("zerospeed.initialize: this model belongs to an earlier engine; that engine stops working")
+        state.detach_model()
 
 
 def _broadcast_from_rank0(model: nn.Module, comm: Comm) -> None:

@@ -20,7 +20,7 @@ import math
 
 from torch import nn
 
-from zerospeed.sharding.units import ROOT, module_units
+from zerospeed.sharding.units import ROOT, module_units, repeated_block_classes
 from zerospeed.zero.flat_param import shape_of
 from zerospeed.zero.grads import plan_buckets
 
@@ -29,16 +29,19 @@ PERSISTENT = "<persistent>"
 
 @dataclass(frozen=True)
 class UnitSpec:
-    """One unit: its parameters (in flat-buffer order) and the module whose forward gathers it."""
+    """One unit: its parameters (in flat-buffer order) and which module's forward gathers it.
+
+    ``module_path`` is the block (or ``""``, the root) whose forward gathers the whole unit; for
+    the other units (parameters of a top-level child that is not a block, such as an embedding, or
+    a ``ModuleDict`` whose forward never runs) it is None and each module holding one of the unit's
+    parameters gathers it. A persistent unit is never gathered or released.
+    """
 
     name: str
     param_names: tuple[str, ...]
     params: tuple[nn.Parameter, ...] = field(repr=False)
-    module_path: str | None  # None: persistent (never gathered or released)
-
-    @property
-    def persistent(self) -> bool:
-        return self.module_path is None
+    module_path: str | None
+    persistent: bool = False
 
     @property
     def numel(self) -> int:
@@ -49,6 +52,8 @@ def build_units(model: nn.Module, *, bucket_elems: int, persistence_threshold: i
                 unit_classes: tuple[type, ...] | None = None) -> list[UnitSpec]:
     """Units of ``model`` in registration order (persistent parameters last, in one unit)."""
     by_name = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    classes = tuple(unit_classes) if unit_classes is not None else repeated_block_classes(model)
     units: list[UnitSpec] = []
     persistent: list[str] = []
     numel = {name: math.prod(shape) for _, entries in module_units(model, unit_classes, shape_of)
@@ -57,14 +62,16 @@ def build_units(model: nn.Module, *, bucket_elems: int, persistence_threshold: i
         names = []
         for name, _shape in entries:
             (persistent if numel[name] < persistence_threshold else names).append(name)
-        module_path = "" if unit_name == ROOT else unit_name
+        is_block = isinstance(modules.get(unit_name), classes) if classes else False
+        module_path = "" if unit_name == ROOT else unit_name if is_block else None
         groups = plan_buckets([numel[n] for n in names], bucket_elems) if names else []
         for part, group in enumerate(groups):
             chosen = tuple(names[i] for i in group)
             label = unit_name if len(groups) == 1 else f"{unit_name}[{part}]"
             units.append(UnitSpec(label, chosen, tuple(by_name[n] for n in chosen), module_path))
     if persistent:
-        units.append(UnitSpec(PERSISTENT, tuple(persistent), tuple(by_name[n] for n in persistent), None))
+        units.append(UnitSpec(PERSISTENT, tuple(persistent), tuple(by_name[n] for n in persistent), None,
+                              persistent=True))
     return units
 
 
@@ -72,15 +79,15 @@ def module_users(model: nn.Module, units: list[UnitSpec],
                  external: dict[int, list[nn.Parameter]] | None = None) -> dict[str, list[int]]:
     """For each module path, the indices of the non-persistent units its forward needs gathered.
 
-    A unit's own module gathers it; a module holding a parameter of another unit under a second
-    name (tied weights), or declared to use one (``external``: ``id(module) -> params``), gathers
-    that unit as well.
+    A block (or the root) gathers its whole unit; any other module gathers the unit of every
+    parameter it holds directly (also a tied parameter held under a second name), or declared to
+    use (``external``: ``id(module) -> params``), unless that unit belongs to a block around it.
     """
     unit_of_param = {id(p): i for i, unit in enumerate(units) for p in unit.params}
     users: dict[str, list[int]] = {}
     for i, unit in enumerate(units):
-        if not unit.persistent:
-            users.setdefault(unit.module_path or "", []).append(i)
+        if not unit.persistent and unit.module_path is not None:
+            users.setdefault(unit.module_path, []).append(i)
     for path, module in model.named_modules():
         used = [p for p in module._parameters.values() if p is not None]
         used += (external or {}).get(id(module), [])
@@ -88,8 +95,8 @@ def module_users(model: nn.Module, units: list[UnitSpec],
             i = unit_of_param.get(id(p))
             if i is None or units[i].persistent:
                 continue
-            owner = units[i].module_path or ""
-            inside_owner = owner == "" or path == owner or path.startswith(owner + ".")
+            owner = units[i].module_path
+            inside_owner = owner is not None and (owner == "" or path == owner or path.startswith(owner + "."))
             if not inside_owner and i not in users.setdefault(path, []):
                 users[path].append(i)
-    return users
+    return {path: ids for path, ids in users.items() if ids}

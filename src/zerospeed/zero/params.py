@@ -87,6 +87,7 @@ class ParamCoordinator:
         self._cursor = -1
         self._active = [0] * len(units)  # modules currently inside their forward, per unit
         self._last_event = [-1] * len(units)  # trace position of each unit's latest use
+        self._in_forward = False  # inside the model's own forward (the trace records only there)
         self._handles = []
         modules = dict(model.named_modules())
         for path, unit_ids in users.items():
@@ -107,7 +108,7 @@ class ParamCoordinator:
     # -- events -----------------------------------------------------------------------------
     def _event(self, unit_id: int) -> None:
         """Unit ``unit_id`` is needed now: gather it and prefetch what the trace says comes next."""
-        if self._recording is not None:
+        if self._recording is not None and self._in_forward:
             self._recording.append(unit_id)
         position = self._trace.find(unit_id, self._cursor) if self._trace is not None else None
         if position is None:
@@ -149,12 +150,16 @@ class ParamCoordinator:
         self.release_all()  # a forward without backward may have left units gathered
         self._cursor = -1
         self._last_event = [-1] * len(self.units)
+        self._in_forward = True
+        if self._recording is not None:
+            self._recording = []
 
     def _end_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._in_forward = False
         if self._recording is not None and self._trace is None:
             self._trace = _Trace(self._recording, self._numel)
             self._recording = None
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or not module.training:  # no backward expected: free it all now
             self.release_all()
 
     def _pre_hook(self, unit_ids: list[int]) -> Callable[..., Any]:

@@ -107,6 +107,13 @@ class ReplicatedState:
     def remove_hooks(self) -> None:
         self.buckets.remove_hooks()
 
+    def detach_model(self) -> None:
+        """Unhook the model (a second ``initialize`` on it)."""
+        self.remove_hooks()
+        for p in self.model_params:
+            if getattr(p, OWNER, None) is not None:
+                delattr(p, OWNER)
+
 
 class ReplicatedParamRef:
     """A parameter's back-reference to the stage-0 state (masters, buckets, optimizer state)."""

@@ -83,6 +83,7 @@ class ShardedState:
 
     # -- step -------------------------------------------------------------------------------
     def step_grads(self) -> list[torch.Tensor]:
+        self.grads.finish()
         return self.grads.shards()
 
     def sum_over_ranks(self, local: torch.Tensor) -> torch.Tensor:
@@ -169,6 +170,17 @@ class ShardedState:
         self.grads.remove_hooks()
         if self.coordinator is not None:
             self.coordinator.remove_hooks()
+
+    def detach_model(self) -> None:
+        """Give the model back whole and unhooked (a second ``initialize`` on it; collective)."""
+        self.remove_hooks()
+        with torch.no_grad():
+            for unit in self.units:
+                unit.gather()
+                for i, p in enumerate(unit.params):
+                    p.data = unit.param_slice(unit.full, i).clone()
+                    if getattr(p, OWNER, None) is not None:
+                        delattr(p, OWNER)
 
 
 class UnitParamRef:

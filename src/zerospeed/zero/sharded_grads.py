@@ -98,12 +98,13 @@ class ShardedGrads:
         self._relaid = False
         self._next = 0
         self.reducing = False  # set by begin_backward: this backward's gradients are reduced
+        self._window_reduced = False  # stage 1: the window's accumulators have been reduced
 
     # -- backward ---------------------------------------------------------------------------
     def begin_backward(self, reduce: bool) -> None:
         """Called before each backward; ``reduce`` says whether this micro-batch's gradients go out
         (stage 1: only at the window's end; stages 2-3: always)."""
-        if any(g.handle is not None for g in self.units):
+        if self._window_reduced and self.sharding.keep_full:
             raise RuntimeError("a second engine.backward() on the last micro-batch of an accumulation window: "
                                "its gradients were already sent for averaging; call backward once per "
                                "micro-batch (add the losses first)")
@@ -185,8 +186,16 @@ class ShardedGrads:
             g.handle = g.wire = None
             g.received.clear()
         self.reducing = False
+        self._window_reduced = True
         if not self._relaid:
             self._relay()
+
+    def finish(self) -> None:
+        """At the step: reduce a stage-1 window whose last backward ran inside ``no_sync()``."""
+        if self.sharding.keep_full and not self._window_reduced:
+            self.reducing = True
+            self._next = 0
+            self.end_backward()
 
     def _relay(self) -> None:
         """Launch in the order units completed on rank 0 (every rank then issues the same sequence)."""
@@ -202,6 +211,7 @@ class ShardedGrads:
 
     def zero(self) -> None:
         """Start a new accumulation window."""
+        self._window_reduced = False
         for g in self.units:
             g.written = [False] * len(g.plan.params)
             g.shard_written = False
