@@ -35,6 +35,15 @@ class NanoGPTish(nn.Module):
         return self.lm_head(self.transformer.ln_f(x))
 
 
+class ReadsAChildsWeight(NanoGPTish):
+    """The root's forward reads a block's weight directly: it must be declared external."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        hidden = self.transformer.ln_f(self.transformer.wte(idx))
+        hidden = hidden + nn.functional.linear(hidden, self.transformer.h[1].fc.weight)
+        return self.lm_head(hidden)
+
+
 def _config(stage: int, accum: int = 1) -> dict:
     return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": accum, "steps_per_print": 1000,
             "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_allow_untested_optimizer": True,
@@ -60,6 +69,15 @@ def _edges() -> dict:
             engine.backward(_loss(engine, step))
             engine.step()
         out[f"nanogpt_{stage}"] = _params(engine)
+    for stage in (0, 3):
+        torch.manual_seed(0)
+        model = ReadsAChildsWeight()
+        zerospeed.zero.register_external_parameter(model, model.transformer.h[1].fc.weight)
+        engine, *_ = zerospeed.initialize(model=model, config=_config(stage))
+        for step in range(3):
+            engine.backward(_loss(engine, step))
+            engine.step()
+        out[f"external_{stage}"] = _params(engine)
     # initialize twice on one model: the second engine trains it, the first lets go
     for stage in (1, 3):
         torch.manual_seed(0)
@@ -98,8 +116,9 @@ def _edges() -> dict:
 
 def test_zero_edge_cases() -> None:
     for rank, out in enumerate(run_distributed(_edges, 2, timeout=180)):
-        diff = max(abs(a - b) for x, y in zip(out["nanogpt_0"], out["nanogpt_3"]) for a, b in zip(x, y))
-        assert diff < 1e-6, (rank, diff)
+        for case in ("nanogpt", "external"):
+            diff = max(abs(a - b) for x, y in zip(out[f"{case}_0"], out[f"{case}_3"]) for a, b in zip(x, y))
+            assert diff < 1e-6, (rank, case, diff)
         for stage in (1, 3):
             assert out[f"reinit_same_start_{stage}"] and out[f"reinit_trains_{stage}"], (rank, stage)
         assert "second engine.backward()" in out["double_backward"], out["double_backward"]
