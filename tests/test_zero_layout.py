@@ -112,3 +112,17 @@ def test_grad_sharding_is_chosen_by_stage() -> None:
     assert not GradSharding.for_stage(3).keep_full
     with pytest.raises(ValueError, match="stages 1-3, got stage 0"):
         GradSharding.for_stage(0)
+
+
+def test_buffer_pool_reuses_same_size_buffers_and_keeps_a_few() -> None:
+    from zerospeed.zero.sharded_grads import _BufferPool
+
+    pool = _BufferPool(keep=2)
+    a = pool.take(10, torch.float32, torch.device("cpu"))
+    pool.give(a)
+    assert pool.take(10, torch.float32, torch.device("cpu")) is a  # same size and dtype: reused
+    assert pool.take(10, torch.float32, torch.device("cpu")) is not a
+    for _ in range(4):
+        pool.give(torch.empty(10))
+    assert len(pool.free) == 2  # the oldest beyond ``keep`` are dropped
+    assert pool.take(10, torch.bfloat16, torch.device("cpu")).dtype == torch.bfloat16

@@ -70,6 +70,8 @@ class ZeroOptimizer:
                         self._global_index[id(self.piece_of[id(p)])] = index
                     index += 1
         self._num_params = index
+        self._unit_pieces = [{id(piece) for piece, u, *_ in self._grad_slices if u == unit_index}
+                             for unit_index in range(len(self.units))]
         self.optimizer: torch.optim.Optimizer | None = None
 
     # -- wiring -----------------------------------------------------------------------------
@@ -124,37 +126,45 @@ class ZeroOptimizer:
 
     # -- step -------------------------------------------------------------------------------
     def step(self, grad_shards: Sequence[torch.Tensor]) -> None:
-        """Update the pieces from the (unscaled, clipped) gradient shards, then publish the shards."""
+        """Update the pieces from the (unscaled, clipped) gradient shards, then publish the shards.
+
+        When shards must be all-gathered afterwards (stages 1-2), the update runs unit by unit and
+        each unit's all-gather goes out as soon as that unit is updated, overlapping the rest of the
+        step (Lamb, whose step is one collective pass over every group, updates all units at once).
+        """
         if self.optimizer is None:
             raise RuntimeError("ZeroOptimizer.step before adopt(): no optimizer to run")
         for piece, u, offset, numel in self._grad_slices:
             grad = grad_shards[u][offset: offset + numel]
             piece.grad = grad if grad.dtype == piece.dtype else grad.to(piece.dtype)
-        self.optimizer.step()
+        publisher = _Publisher(self.allgather_bucket_elems)
+        if isinstance(self.optimizer, Lamb) or not any(unit.persistent for unit in self.units):
+            self.optimizer.step()
+            for unit, master in zip(self.units, self.masters):
+                publisher.publish(unit, master)
+        else:
+            groups = self.optimizer.param_groups
+            everything = [group["params"] for group in groups]
+            try:
+                for u, (unit, master) in enumerate(zip(self.units, self.masters)):
+                    mine = self._unit_pieces[u]
+                    for group, params in zip(groups, everything):
+                        group["params"] = [p for p in params if id(p) in mine]
+                    self.optimizer.step()
+                    publisher.publish(unit, master)
+            finally:
+                for group, params in zip(groups, everything):
+                    group["params"] = params
+        publisher.wait_all()
         for piece, *_ in self._grad_slices:
             piece.grad = None
-        self.publish()
 
     def publish(self) -> None:
         """Copy masters into the compute-dtype shards and all-gather the persistent units."""
-        in_flight: list[tuple[Handle, int]] = []
-        live = 0
-        with torch.no_grad():
-            for unit, master in zip(self.units, self.masters):
-                if master is not unit.shard:
-                    unit.shard.copy_(master)
-                if not unit.persistent:
-                    continue
-                while in_flight and live + unit.numel > self.allgather_bucket_elems:
-                    handle, numel = in_flight.pop(0)
-                    handle.wait()
-                    live -= numel
-                handle = unit.publish_shard(async_op=True)
-                assert handle is not None
-                in_flight.append((handle, unit.numel))
-                live += unit.numel
-            for handle, _ in in_flight:
-                handle.wait()
+        publisher = _Publisher(self.allgather_bucket_elems)
+        for unit, master in zip(self.units, self.masters):
+            publisher.publish(unit, master)
+        publisher.wait_all()
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Masters (when separate from the shards) and the wrapped optimizer's state tensors."""
@@ -163,3 +173,33 @@ class ZeroOptimizer:
             for state in self.optimizer.state.values():
                 out += [v for v in state.values() if isinstance(v, torch.Tensor) and v.numel() > 1]
         return out
+
+
+class _Publisher:
+    """Casts updated masters into the compute-dtype shards and all-gathers persistent units, keeping
+    at most ``allgather_bucket_size`` elements in flight."""
+
+    def __init__(self, bucket_elems: int):
+        self.bucket_elems = bucket_elems
+        self.in_flight: list[tuple[Handle, int]] = []
+        self.live = 0
+
+    def publish(self, unit: FlatParamUnit, master: torch.Tensor) -> None:
+        with torch.no_grad():
+            if master is not unit.shard:
+                unit.shard.copy_(master)
+        if not unit.persistent:
+            return
+        while self.in_flight and self.live + unit.numel > self.bucket_elems:
+            handle, numel = self.in_flight.pop(0)
+            handle.wait()
+            self.live -= numel
+        handle = unit.publish_shard(async_op=True)
+        assert handle is not None
+        self.in_flight.append((handle, unit.numel))
+        self.live += unit.numel
+
+    def wait_all(self) -> None:
+        for handle, _ in self.in_flight:
+            handle.wait()
+        self.in_flight, self.live = [], 0

@@ -59,16 +59,36 @@ class _UnitGrads:
         self.shard_written = False  # ``shard`` holds this window's sum so far (stages 2-3)
         self.handle: Handle | None = None
         self.wire: torch.Tensor | None = None
+        self.launched = False  # sent in the current backward
 
-    def ensure_acc(self) -> torch.Tensor:
+    def ensure_acc(self, pool: "_BufferPool") -> torch.Tensor:
         if self.acc is None:
-            self.acc = torch.empty(self.plan.padded_numel, dtype=self.dtype, device=self.device)
+            self.acc = pool.take(self.plan.padded_numel, self.dtype, self.device)
             self.written = [False] * len(self.plan.params)
         return self.acc
 
-    def view(self, slot: int) -> torch.Tensor:
+    def view(self, slot: int, pool: "_BufferPool") -> torch.Tensor:
         s = self.plan.params[slot]
-        return self.ensure_acc()[s.offset: s.end].view(s.shape)
+        return self.ensure_acc(pool)[s.offset: s.end].view(s.shape)
+
+
+class _BufferPool:
+    """A few freed accumulators kept for reuse: transformer blocks are all the same size, and a fresh
+    large allocation each micro-batch costs page faults on every step."""
+
+    def __init__(self, keep: int):
+        self.keep = keep
+        self.free: list[torch.Tensor] = []
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        for i, t in enumerate(self.free):
+            if t.numel() == numel and t.dtype == dtype and t.device == device:
+                return self.free.pop(i)
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def give(self, tensor: torch.Tensor) -> None:
+        self.free.append(tensor)
+        del self.free[: max(len(self.free) - self.keep, 0)]
 
 
 class ShardedGrads:
@@ -80,6 +100,11 @@ class ShardedGrads:
         """``overlap=False`` (``overlap_comm: false``) waits for each reduction as it is launched."""
         self.comm = comm
         self.overlap = overlap
+        # Stages 2-3 hold at most this many reductions in flight (and their full accumulators), so
+        # peak gradient memory stays a few units, not the whole model (DeepSpeed keeps two buckets).
+        self.max_in_flight = 2
+        self._in_flight: list[_UnitGrads] = []
+        self._pool = _BufferPool(keep=self.max_in_flight + 1)
         self.sharding = sharding
         self.policy = policy
         self.units = [_UnitGrads(u, accum_dtype, sharding.keep_full) for u in units]
@@ -112,16 +137,17 @@ class ShardedGrads:
         self._next = 0
         for g in self.units:
             g.received.clear()
+            g.launched = False
 
     def _on_grad(self, param: torch.Tensor) -> None:
         u, slot = self._where[id(param)]
         g = self.units[u]
-        if g.handle is not None:
+        if g.launched:
             raise RuntimeError(f"a gradient for a parameter of unit {g.plan.name!r} arrived after the unit "
                                f"was reduced in this backward; a parameter used again after its unit's "
                                f"backward is not supported")
         if param.grad is not None:
-            view = g.view(slot)
+            view = g.view(slot, self._pool)
             if g.written[slot]:
                 view.add_(param.grad)
             else:
@@ -144,7 +170,8 @@ class ShardedGrads:
             self._next += 1
 
     def _launch(self, g: _UnitGrads) -> None:
-        acc = g.ensure_acc()
+        g.launched = True
+        acc = g.ensure_acc(self._pool)
         for slot, written in enumerate(g.written):
             if not written:  # no gradient this window (unused or frozen parameter): zero
                 s = g.plan.params[slot]
@@ -156,8 +183,32 @@ class ShardedGrads:
         self.policy.before(wire, self.comm.world_size)
         g.wire = wire
         g.handle = self.comm.reduce_scatter(wire[g.lo:g.hi], wire, async_op=True, inputs_writable=True)
+        self._in_flight.append(g)
         if not self.overlap:
-            g.handle.wait()
+            self._complete(self._in_flight.pop(0))
+        elif not self.sharding.keep_full:
+            while len(self._in_flight) > self.max_in_flight:
+                self._complete(self._in_flight.pop(0))
+
+    def _complete(self, g: _UnitGrads) -> None:
+        """Wait for ``g``'s reduction, average it into the shard, free the full accumulator (stages 2-3)."""
+        assert g.handle is not None and g.wire is not None
+        g.handle.wait()
+        out = g.wire[g.lo:g.hi]
+        self.policy.after(out, self.comm.world_size)
+        if self.sharding.keep_full:
+            if out.data_ptr() != g.shard.data_ptr():
+                g.shard.copy_(out)
+        else:
+            if g.shard_written:
+                g.shard.add_(out)
+            else:
+                g.shard.copy_(out)
+                g.shard_written = True
+            assert g.acc is not None
+            self._pool.give(g.acc)
+            g.acc = None  # the full gradient is freed as soon as it is reduced
+        g.handle = g.wire = None
 
     def end_backward(self) -> None:
         """After backward: reduce what is left (in order) and wait, when this backward reduces."""
@@ -166,25 +217,10 @@ class ShardedGrads:
         while self._next < len(self.order):
             self._launch(self.units[self.order[self._next]])
             self._next += 1
-        world = self.comm.world_size
+        while self._in_flight:
+            self._complete(self._in_flight.pop(0))
         for u in self.order:
-            g = self.units[u]
-            assert g.handle is not None and g.wire is not None
-            g.handle.wait()
-            out = g.wire[g.lo:g.hi]
-            self.policy.after(out, world)
-            if self.sharding.keep_full:
-                if out.data_ptr() != g.shard.data_ptr():
-                    g.shard.copy_(out)
-            else:
-                if g.shard_written:
-                    g.shard.add_(out)
-                else:
-                    g.shard.copy_(out)
-                    g.shard_written = True
-                g.acc = None  # the full gradient is freed as soon as it is reduced
-            g.handle = g.wire = None
-            g.received.clear()
+            self.units[u].received.clear()
         self.reducing = False
         self._window_reduced = True
         if not self._relaid:
@@ -211,14 +247,14 @@ class ShardedGrads:
 
     def zero(self) -> None:
         """Start a new accumulation window."""
+        while self._in_flight:  # only after an error mid-backward
+            self._complete(self._in_flight.pop(0))
         self._window_reduced = False
         for g in self.units:
             g.written = [False] * len(g.plan.params)
             g.shard_written = False
             g.received.clear()
-            if g.handle is not None:
-                g.handle.wait()
-                g.handle = g.wire = None
+            g.launched = False
         self._next = 0
 
     def tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -227,6 +263,7 @@ class ShardedGrads:
         state += [g.shard for g in self.units if not self.sharding.keep_full]
         transient = [g.acc for g in self.units if g.acc is not None and not self.sharding.keep_full]
         transient += [g.wire for g in self.units if g.wire is not None and g.wire is not g.acc]
+        transient += self._pool.free
         return state, transient
 
     def remove_hooks(self) -> None:
