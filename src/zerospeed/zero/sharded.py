@@ -45,7 +45,8 @@ class ShardedState:
                       for plan, spec in zip(self.plan.units, specs)]
         overlap = zero_cfg.overlap_comm is not False  # DeepSpeed's None: on where it matters
         self.grads = ShardedGrads(self.units, comm, GradSharding.for_stage(stage), accum_dtype=accum_dtype,
-                                  policy=reduction, overlap=overlap)
+                                  policy=reduction, overlap=overlap,
+                                  max_in_flight_elems=int(zero_cfg.reduce_bucket_size))
         self.zero_optimizer = ZeroOptimizer(self.units, comm, master_dtype=master_dtype,
                                             allgather_bucket_elems=int(zero_cfg.allgather_bucket_size))
         self.coordinator: ParamCoordinator | None = None

@@ -96,15 +96,16 @@ class ShardedGrads:
 
     def __init__(self, units: Sequence[FlatParamUnit], comm: Comm, sharding: GradSharding, *,
                  accum_dtype: torch.dtype = torch.float32, policy: ReductionPolicy = ReductionPolicy(),
-                 overlap: bool = True):
+                 overlap: bool = True, max_in_flight_elems: int = 500_000_000):
         """``overlap=False`` (``overlap_comm: false``) waits for each reduction as it is launched."""
         self.comm = comm
         self.overlap = overlap
-        # Stages 2-3 hold at most this many reductions in flight (and their full accumulators), so
-        # peak gradient memory stays a few units, not the whole model (DeepSpeed keeps two buckets).
-        self.max_in_flight = 2
+        # Stages 2-3: a reduction that has finished is folded into its shard (and its full
+        # accumulator freed) at the next launch; more than ``reduce_bucket_size`` elements in flight
+        # make the oldest be waited for, so the bucket size bounds gradient memory as in DeepSpeed.
+        self.max_in_flight_elems = max(int(max_in_flight_elems), 1)
         self._in_flight: list[_UnitGrads] = []
-        self._pool = _BufferPool(keep=self.max_in_flight + 1)
+        self._pool = _BufferPool(keep=3)
         self.sharding = sharding
         self.policy = policy
         self.units = [_UnitGrads(u, accum_dtype, sharding.keep_full) for u in units]
@@ -187,7 +188,9 @@ class ShardedGrads:
         if not self.overlap:
             self._complete(self._in_flight.pop(0))
         elif not self.sharding.keep_full:
-            while len(self._in_flight) > self.max_in_flight:
+            while self._in_flight and self._in_flight[0].handle.is_completed():
+                self._complete(self._in_flight.pop(0))
+            while sum(g.plan.padded_numel for g in self._in_flight) > self.max_in_flight_elems:
                 self._complete(self._in_flight.pop(0))
 
     def _complete(self, g: _UnitGrads) -> None:
