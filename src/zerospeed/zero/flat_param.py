@@ -120,16 +120,6 @@ class FlatParamUnit:
             return None
         return self.comm.all_gather(self.full, self.shard, async_op=async_op)
 
-    def full_param(self, index: int) -> torch.Tensor:
-        """A copy of parameter ``index``'s full values (collective when the unit is released)."""
-        was_gathered = self._gathered
-        self.gather()
-        try:
-            return self._views[index].clone()
-        finally:
-            if not was_gathered:
-                self.release()
-
     def gather_shard_values(self, shard_values: torch.Tensor) -> torch.Tensor:
         """All-gather a shard-sized tensor laid out like this unit (grads, masters, optimizer states)
         into a full padded one (collective)."""

@@ -159,13 +159,6 @@ class ZeroOptimizer:
         for piece, *_ in self._grad_slices:
             piece.grad = None
 
-    def publish(self) -> None:
-        """Copy masters into the compute-dtype shards and all-gather the persistent units."""
-        publisher = _Publisher(self.allgather_bucket_elems)
-        for unit, master in zip(self.units, self.masters):
-            publisher.publish(unit, master)
-        publisher.wait_all()
-
     def state_tensors(self) -> list[torch.Tensor]:
         """Masters (when separate from the shards) and the wrapped optimizer's state tensors."""
         out = [m for m, unit in zip(self.masters, self.units) if m is not unit.shard]
