@@ -170,6 +170,10 @@ def print_summary(engine: zerospeed.Engine, args: argparse.Namespace, losses: li
     print(f"  validation loss      {val[0]:.3f} -> {val[1]:.3f}")
     print("  peak memory          " + ", ".join(f"rank {r}: {mb:.0f} MB" for r, mb in enumerate(memory))
           + (" (max allocated)" if cuda else " (max RSS)"))
+    states = engine.memory_breakdown()
+    print(f"  model states         {states['total'] / 2**20:.1f} MiB on rank 0 (params "
+          f"{states['params'] / 2**20:.1f}, grads {states['grads'] / 2**20:.1f}, optimizer "
+          f"{states['optimizer_states'] / 2**20:.1f}; ZeRO stage {engine.config.zero_optimization.stage})")
     print(f"  optimizer steps      {engine.global_steps} applied, {engine.skipped_steps} skipped; "
           f"final lr {engine.get_lr()[0]:.2e}")
     print("  config beyond defaults (resolved; --full_config prints all of it):")

@@ -23,7 +23,7 @@ def test_demo_short_run_learns() -> None:
     assert done.returncode == 0, out[-3000:] + done.stderr[-3000:]
     assert "2 ranks, bf16" in out
     assert "batch 16 x 64 tokens = micro 4 x accumulation 2 x world 2" in out
-    for line in ("tokens/s", "peak memory          rank 0:", "rank 1:", "optimizer.type = \"AdamW\"",
+    for line in ("tokens/s", "peak memory          rank 0:", "rank 1:", "ZeRO stage 0)", "optimizer.type = \"AdamW\"",
                  "scheduler.type = \"WarmupCosineLR\"", "scheduler.params.total_num_steps = 16",
                  "bf16.enabled = true", "sample ", "OK: the loss fell"):
         assert line in out, line
