@@ -60,24 +60,23 @@ def _params(engine: zerospeed.Engine) -> list[list[float]]:
         return [p.detach().reshape(-1).tolist() for p in engine.module.parameters()]
 
 
+def _trained(model: nn.Module, stage: int, steps: int = 3) -> list[list[float]]:
+    engine, *_ = zerospeed.initialize(model=model, config=_config(stage))
+    for step in range(steps):
+        engine.backward(_loss(engine, step))
+        engine.step()
+    return _params(engine)
+
+
 def _edges() -> dict:
     out: dict = {}
-    for stage in (0, 3):  # a never-called container trains at stage 3 exactly as at stage 0
+    for stage in (0, 3):  # each trains at stage 3 exactly as at stage 0
         torch.manual_seed(0)
-        engine, *_ = zerospeed.initialize(model=NanoGPTish(), config=_config(stage))
-        for step in range(3):
-            engine.backward(_loss(engine, step))
-            engine.step()
-        out[f"nanogpt_{stage}"] = _params(engine)
-    for stage in (0, 3):
+        out[f"nanogpt_{stage}"] = _trained(NanoGPTish(), stage)  # a container that is never called
         torch.manual_seed(0)
         model = ReadsAChildsWeight()
         zerospeed.zero.register_external_parameter(model, model.transformer.h[1].fc.weight)
-        engine, *_ = zerospeed.initialize(model=model, config=_config(stage))
-        for step in range(3):
-            engine.backward(_loss(engine, step))
-            engine.step()
-        out[f"external_{stage}"] = _params(engine)
+        out[f"external_{stage}"] = _trained(model, stage)
     # initialize twice on one model: the second engine trains it, the first lets go
     for stage in (1, 3):
         torch.manual_seed(0)

@@ -56,9 +56,9 @@ def build_units(model: nn.Module, *, bucket_elems: int, persistence_threshold: i
     classes = tuple(unit_classes) if unit_classes is not None else repeated_block_classes(model)
     units: list[UnitSpec] = []
     persistent: list[str] = []
-    numel = {name: math.prod(shape) for _, entries in module_units(model, unit_classes, shape_of)
-             for name, shape in entries}
-    for unit_name, entries in module_units(model, unit_classes, shape_of):
+    tree_units = module_units(model, unit_classes, shape_of)
+    numel = {name: math.prod(shape) for _, entries in tree_units for name, shape in entries}
+    for unit_name, entries in tree_units:
         names = []
         for name, _shape in entries:
             (persistent if numel[name] < persistence_threshold else names).append(name)

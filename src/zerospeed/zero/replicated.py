@@ -98,7 +98,7 @@ class ReplicatedState:
                 "total": params + grads + states, "buffers": 0}
 
     def _state_tensors(self) -> list[torch.Tensor]:
-        out = [m for m in self.master_params if m is not None] if self.master_params is not self.model_params else []
+        out = list(self.master_params)  # the model's own parameters when there are no masters: excluded by the caller
         if self.optimizer is not None:
             for state in self.optimizer.state.values():
                 out += [v for v in state.values() if isinstance(v, torch.Tensor)]
