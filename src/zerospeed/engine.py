@@ -8,10 +8,13 @@ optimizer and LR schedule built from the config (or given by the user), and the 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import math
 import time
+import uuid
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -60,6 +63,12 @@ class Engine(nn.Module):
         self._in_no_sync = False
         self._last_loss: torch.Tensor | None = None
         self._tick = time.perf_counter()
+        self.training_dataloader: Any = None  # set by initialize; its position is saved in checkpoints
+        # Names this engine's checkpoint handshakes in the ranks' store (one collective, at start).
+        self.checkpoint_id: str = comm.all_gather_object(uuid.uuid4().hex)[0]
+        self._checkpoint_calls = 0
+        self._pending_save: Any = None
+        atexit.register(_wait_at_exit, weakref.ref(self))
 
     # -- sizes ----------------------------------------------------------------------------
     def train_batch_size(self) -> int:
@@ -164,6 +173,53 @@ class Engine(nn.Module):
         """Drop accumulated gradients (``step`` already does this at each boundary)."""
         self.state.zero()
 
+    # -- checkpoints ------------------------------------------------------------------------
+    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict | None = None,
+                        save_latest: bool = True, async_save: bool | None = None) -> str | None:
+        """Save model, optimizer, scheduler, loss scaler, counters, RNG and data position (every rank calls
+        this; each writes only its own shards). ``tag`` defaults to ``global_step<N>``; the directory
+        appears atomically and ``latest`` then names it. With ``async_save`` (default: the config's
+        ``checkpoint.writer.decoupled``) the state is copied to CPU and written in the background; the
+        next save, a load, or the end of the process waits for it. Returns the checkpoint's directory
+        (None while an asynchronous save is still writing)."""
+        from zerospeed.checkpoint.engine_io import save_checkpoint
+
+        self.wait_for_checkpoint()
+        result = save_checkpoint(self, save_dir, tag, client_state, save_latest, async_save)
+        if isinstance(result, str):
+            return result
+        self._pending_save = result
+        return None
+
+    def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False) -> tuple[str | None, Any]:
+        """Load a checkpoint written at any world size and ZeRO stage; returns ``(path, client_state)``,
+        or ``(None, None)`` with a warning when ``load_dir`` holds none. ``tag=None`` loads ``latest``."""
+        from zerospeed.checkpoint.engine_io import load_checkpoint
+
+        self.wait_for_checkpoint()
+        return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                               load_lr_scheduler_states, load_module_only)
+
+    def wait_for_checkpoint(self) -> str | None:
+        """Block until an asynchronous save has committed; re-raises its error. Returns its directory."""
+        pending, self._pending_save = self._pending_save, None
+        return pending.wait() if pending is not None else None
+
+    def next_checkpoint_call(self) -> int:
+        self._checkpoint_calls += 1
+        return self._checkpoint_calls
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Write the model's weights in their compute dtype as one plain state dict (rank 0 writes;
+        every rank calls this, which gathers ZeRO-3 shards). ``.safetensors`` names are written as
+        safetensors, anything else with ``torch.save``. Returns True."""
+        from zerospeed.checkpoint.consolidate import save_16bit_model
+
+        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
     # -- memory ---------------------------------------------------------------------------
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds now, measured from the allocated tensors: ``params``, ``grads`` and
@@ -217,6 +273,12 @@ class Engine(nn.Module):
         log.info("step %d  loss %.4f  lr %s  loss scale %g  %.1f samples/s", self.global_steps,
                  float(self._last_loss) if self._last_loss is not None else float("nan"), ", ".join(f"{lr:.3g}" for lr in self.get_lr()),
                  self.scaler.loss_scale, rate)
+
+
+def _wait_at_exit(ref: "weakref.ref[Engine]") -> None:
+    engine = ref()
+    if engine is not None and engine._pending_save is not None:
+        engine.wait_for_checkpoint()
 
 
 def reduction_policy(cfg: Config, policy: Any) -> ReductionPolicy:

@@ -28,7 +28,8 @@ IMPLEMENTED = frozenset({
     "fp16", "bf16", "gradient_clipping", "optimizer.type=*", "scheduler.type=*", "communication_data_type=*",
     "prescale_gradients", "gradient_predivide_factor", "dataloader_drop_last", "bf16.check_grad_overflow",
     "zero_optimization.stage=1", "zero_optimization.stage=2", "zero_optimization.stage=3",
-    "data_types.grad_accum_dtype",
+    "data_types.grad_accum_dtype", "checkpoint.writer", "checkpoint.tag_validation=IGNORE",
+    "checkpoint.tag_validation=FAIL",
 })
 
 
@@ -90,6 +91,7 @@ def initialize(args: Any = None, model: nn.Module | None = None,
                                    rank=comm.rank, world_size=comm.world_size, collate_fn=collate_fn,
                                    drop_last=cfg.dataloader_drop_last)
     engine = Engine(model, cfg, comm, policy, opt, sched, state=state)
+    engine.training_dataloader = loader
     _ensure_log_handler()
     if comm.rank == 0:
         log.info("zerospeed config (resolved, every default in force):\n%s", cfg.to_json())

@@ -196,6 +196,8 @@ class Comm:
         self.stats = CommStats()
         self._seq = 0
         self._store = (store or _default_store()) if track_arrivals else None
+        # Arrival entries already in the store belong to earlier Comms over the same ranks.
+        self._stale_arrivals = self._read_arrivals()
         self._reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -206,6 +208,44 @@ class Comm:
             raise RuntimeError(f"the process group of Comm '{self.name}' was destroyed; "
                                f"build a new Comm after init_distributed()")
         return group
+
+    @property
+    def store(self) -> dist.Store | None:
+        """The key-value store this group's ranks share (None when arrivals are not tracked)."""
+        return self._store
+
+    @property
+    def calls(self) -> int:
+        """Collectives this rank has entered on this Comm so far (the sequence number of the last)."""
+        return self._seq
+
+    def ranks_waiting_beyond(self, seq: int) -> dict[int, str]:
+        """Group ranks that announced waiting in a collective numbered above ``seq``, with its name.
+
+        Such a rank is blocked in a call this rank has not made, so it will not do what this rank is
+        waiting for (a checkpoint handshake uses this to fail fast instead of hanging).
+        """
+        out = {}
+        for group_rank, entry in self._read_arrivals().items():
+            if group_rank == self.rank or entry == self._stale_arrivals.get(group_rank):
+                continue
+            their_seq, their_op = entry.split(" ", 1)
+            if int(their_seq) > seq:
+                out[group_rank] = f"#{their_seq} {their_op}"
+        return out
+
+    def _read_arrivals(self) -> dict[int, str]:
+        if self._store is None:
+            return {}
+        out = {}
+        try:
+            for group_rank, global_rank in enumerate(self.global_ranks):
+                key = self._key(global_rank)
+                if self._store.check([key]):
+                    out[group_rank] = self._store.get(key).decode()
+        except Exception:  # a store that cannot answer tells nothing; callers fall back to timeouts
+            return {}
+        return out
 
     def _scratch(self, *shape: int) -> torch.Tensor:
         """A tiny tensor on the device this group's backend talks from (CPU for gloo)."""

@@ -29,11 +29,18 @@ Subcommand = Callable[[list[str]], int]
 
 
 def subcommands() -> Mapping[str, Subcommand]:
-    """Subcommands by name. Later issues add e.g. ``convert`` and ``report`` here.
+    """Subcommands by name (``convert``; later issues add e.g. ``report``).
 
     A script that happens to share a subcommand's name can still be launched as ``./name``.
     """
-    return MappingProxyType({})
+    return MappingProxyType({"convert": _convert})
+
+
+def _convert(argv: list[str]) -> int:
+    """``zerospeed convert``: imported on use, so launching stays free of torch imports."""
+    from zerospeed.checkpoint.consolidate import convert_main
+
+    return convert_main(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

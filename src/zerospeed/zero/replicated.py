@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from zerospeed.checkpoint.slots import ParamInfo, Slot, even_split
 from zerospeed.dist.comm import Comm
 from zerospeed.zero.flat_param import OWNER
 from zerospeed.zero.grads import GradBuckets, ReductionPolicy
@@ -103,6 +104,32 @@ class ReplicatedState:
             for state in self.optimizer.state.values():
                 out += [v for v in state.values() if isinstance(v, torch.Tensor)]
         return out
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def checkpoint_params(self) -> list[ParamInfo]:
+        return [ParamInfo(name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in self.module.named_parameters()]
+
+    def checkpoint_slots(self, for_save: bool) -> list[Slot]:
+        """Every parameter whole for loading; for saving, this rank's even share of each, so the ranks
+        of a replicated run write in parallel and no byte twice."""
+        master_of = {id(p): m for p, m in zip(self.model_params, self.master_params, strict=True)}
+        out = []
+        for name, p in self.module.named_parameters():
+            master = master_of.get(id(p), p)
+            if not master.is_contiguous():
+                raise ValueError(f"parameter {name} is not contiguous; checkpoints need contiguous parameters")
+            flat = master.detach().view(-1)
+            start, end = even_split(flat.numel(), self.comm.rank, self.comm.world_size) if for_save else (0, flat.numel())
+            out.append(Slot(name, start, end, flat[start:end], master if p.requires_grad else None, start))
+        return out
+
+    def after_checkpoint_load(self) -> None:
+        """The masters were overwritten: copy them into the model and drop stale gradients."""
+        if self.master_params is not self.model_params:
+            with torch.no_grad():
+                for master, model in zip(self.master_params, self.model_params, strict=True):
+                    model.copy_(master)
+        self.zero()
 
     def remove_hooks(self) -> None:
         self.buckets.remove_hooks()

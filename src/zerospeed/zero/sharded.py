@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zerospeed.checkpoint.slots import ParamInfo, Slot
 from zerospeed.dist.comm import Comm
 from zerospeed.sharding.plan import ShardPlan
 from zerospeed.zero.flat_param import OWNER, FlatParamUnit, shape_of
@@ -166,6 +167,35 @@ class ShardedState:
         buffers = gathered + storage_bytes(grad_transient, exclude=grad_state)
         return {"params": params, "grads": grads, "optimizer_states": states,
                 "total": params + grads + states, "buffers": buffers}
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def checkpoint_params(self) -> list[ParamInfo]:
+        return [ParamInfo(slot.name, slot.shape, unit.dtype, p.requires_grad)
+                for unit in self.units for slot, p in zip(unit.plan.params, unit.params)]
+
+    def checkpoint_slots(self, for_save: bool) -> list[Slot]:
+        """The pieces of this rank's shards (the same for saving and loading)."""
+        out = []
+        for u, unit in enumerate(self.units):
+            master = self.zero_optimizer.masters[u]
+            index = {slot.name: i for i, slot in enumerate(unit.plan.params)}
+            for piece in unit.plan.pieces(self.comm.rank):
+                param = unit.params[index[piece.param]]
+                key = self.zero_optimizer.piece_of.get(id(param)) if param.requires_grad else None
+                out.append(Slot(piece.param, piece.start, piece.end,
+                                master[piece.shard_offset: piece.shard_offset + piece.numel], key, 0))
+        return out
+
+    def after_checkpoint_load(self) -> None:
+        """The masters were overwritten: refresh the compute-dtype shards, re-gather the persistent
+        units (collective), let stage-3 units gather afresh on next use, and drop stale gradients."""
+        self.release_all()
+        with torch.no_grad():
+            for unit, master in zip(self.units, self.zero_optimizer.masters):
+                if master is not unit.shard:
+                    unit.shard.copy_(master)
+                unit.publish_shard(async_op=False)
+        self.grads.zero()
 
     def remove_hooks(self) -> None:
         self.grads.remove_hooks()

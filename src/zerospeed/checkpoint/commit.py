@@ -1,0 +1,190 @@
+"""The save protocol: agree, write in parallel, commit atomically, all through the ranks' store.
+
+Every step of a save talks through the process group's key-value store rather than through
+collectives, so (a) the same code runs on the training thread or on a background thread for an
+asynchronous save without racing the training's collectives, and (b) a rank that never arrives is
+noticed: the handshake watches where the other ranks are, and fails at once with a clear error when
+one has gone on to a collective instead of saving (``if rank == 0: save_checkpoint(...)``).
+
+Order of a save: handshake (same tag and directory everywhere) -> each rank writes and fsyncs its
+files into ``<dir>/.tmp-<tag>-<id>`` and reports -> rank 0 writes the manifest, fsyncs, renames the
+directory to ``<dir>/<tag>`` and rewrites ``latest`` -> every rank learns the outcome.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from zerospeed.checkpoint import layout
+from zerospeed.checkpoint.layout import CheckpointError
+from zerospeed.checkpoint.safetensors_io import StreamingWriter
+from zerospeed.checkpoint.state_io import RankPayload
+
+_POLL = 0.02  # seconds between store polls; store.wait would hold the store client's lock
+
+
+class RankSync:
+    """Keys ``<prefix>/<step>/<rank>`` in the store: publish this rank's value, gather everyone's."""
+
+    def __init__(self, store: Any, prefix: str, rank: int, world_size: int, timeout: datetime.timedelta):
+        self.store, self.prefix, self.rank, self.world_size = store, prefix, rank, world_size
+        self.timeout = timeout.total_seconds()
+
+    def publish(self, step: str, value: str) -> None:
+        if self.store is not None:
+            self.store.set(f"{self.prefix}/{step}/{self.rank}", value)
+
+    def gather(self, step: str, ranks: list[int] | None = None,
+               watch: Callable[[list[int]], None] | None = None) -> dict[int, str]:
+        """Every rank's value for ``step`` (or only ``ranks``'), polling; ``watch(missing)`` may raise
+        to stop waiting early."""
+        ranks = list(range(self.world_size)) if ranks is None else ranks
+        if self.store is None:  # a single process without a store: only this rank exists
+            return {self.rank: ""}
+        keys = {r: f"{self.prefix}/{step}/{r}" for r in ranks}
+        deadline = time.monotonic() + self.timeout
+        while True:
+            missing = [r for r, key in keys.items() if not self.store.check([key])]
+            if not missing:
+                return {r: self.store.get(key).decode() for r, key in keys.items()}
+            if watch is not None:
+                watch(missing)
+            if time.monotonic() > deadline:
+                raise CheckpointError(f"checkpoint {step}: rank(s) {missing} did not report within "
+                                      f"{self.timeout:g} s; every rank must call save_checkpoint with the same "
+                                      f"tag and directory")
+            time.sleep(_POLL)
+
+
+@dataclass
+class SaveJob:
+    """One rank's part of a save after the handshake: write, report, (rank 0) commit."""
+
+    sync: RankSync
+    save_dir: str
+    tmp_dir: str
+    tag: str
+    payload: RankPayload
+    rank_state: dict[str, Any]
+    engine_state: dict[str, Any] | None  # rank 0: scheduler, client state
+    manifest: dict[str, Any] | None  # rank 0: everything but the per-rank parts
+    save_latest: bool
+
+    def run(self) -> str:
+        try:
+            self._write_own()
+        except BaseException as exc:
+            status = f"rank {self.sync.rank} could not write its files: {type(exc).__name__}: {exc}"
+            self.sync.publish("written", status)
+            if self.sync.rank == 0:
+                self.sync.publish("committed", status)
+            raise
+        self.sync.publish("written", "ok")
+        if self.sync.rank == 0:
+            return self._commit()
+        outcome = self.sync.gather("committed", ranks=[0])[0]
+        if outcome != "ok":
+            raise CheckpointError(f"checkpoint {self.tag!r} was not committed: {outcome}")
+        return os.path.join(self.save_dir, self.tag)
+
+    def _write_own(self) -> None:
+        rank = self.sync.rank
+        name = layout.rank_file(rank)
+        path = os.path.join(self.tmp_dir, name)
+        entries = [(key, t.dtype, (t.numel(),)) for key, t in self.payload.tensors]
+        with StreamingWriter(path, entries, {"format": layout.FORMAT, "rank": str(rank)}) as writer:
+            for _, tensor in self.payload.tensors:
+                writer.write(tensor)
+        files = {name: os.path.getsize(path)}
+        files.update(_save_torch(os.path.join(self.tmp_dir, layout.rank_state(rank)), self.rank_state))
+        if self.engine_state is not None:
+            files.update(_save_torch(os.path.join(self.tmp_dir, layout.ENGINE_STATE), self.engine_state))
+        fragments = [dict(f, file=name) for f in self.payload.fragments]
+        index = {"files": files, "fragments": fragments, "scalars": self.payload.scalars,
+                 "group_params": self.payload.group_params}
+        with open(os.path.join(self.tmp_dir, layout.rank_index(rank)), "w") as f:
+            json.dump(index, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _commit(self) -> str:
+        try:
+            statuses = self.sync.gather("written")
+            failed = [s for s in statuses.values() if not s.startswith("ok")]
+            if failed:
+                shutil.rmtree(self.tmp_dir, ignore_errors=True)
+                raise CheckpointError("; ".join(failed))
+            manifest = dict(self.manifest or {})
+            manifest["files"], manifest["fragments"] = {}, []
+            scalars: dict[str, Any] = {}
+            groups: list[set[str]] = []
+            for rank in range(self.sync.world_size):
+                with open(os.path.join(self.tmp_dir, layout.rank_index(rank))) as f:
+                    index = json.load(f)
+                manifest["files"].update({k: {"bytes": v} for k, v in index["files"].items()})
+                manifest["fragments"] += index["fragments"]
+                for param, values in index["scalars"].items():
+                    scalars.setdefault(param, values)
+                for g, names in enumerate(index["group_params"]):
+                    while len(groups) <= g:
+                        groups.append(set())
+                    groups[g].update(names)
+            if manifest.get("optimizer") is not None:
+                manifest["optimizer"]["scalars"] = scalars
+                for g, group in enumerate(manifest["optimizer"]["param_groups"]):
+                    group["params"] = sorted(groups[g]) if g < len(groups) else []
+            layout.write_file_atomic(os.path.join(self.tmp_dir, layout.MANIFEST),
+                                     json.dumps(manifest, indent=1).encode())
+            layout.fsync_dir(self.tmp_dir)
+            final = layout.commit_dir(self.tmp_dir, self.save_dir, self.tag)
+            if self.save_latest:
+                layout.write_file_atomic(os.path.join(self.save_dir, layout.LATEST), self.tag.encode())
+        except BaseException as exc:
+            self.sync.publish("committed", f"{type(exc).__name__}: {exc}")
+            raise
+        self.sync.publish("committed", "ok")
+        return final
+
+
+def _save_torch(path: str, obj: Any) -> dict[str, int]:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    return {os.path.basename(path): os.path.getsize(path)}
+
+
+class BackgroundSave:
+    """A :class:`SaveJob` running on its own thread; :meth:`wait` re-raises what it raised."""
+
+    def __init__(self, job: SaveJob):
+        self.job = job
+        self.error: BaseException | None = None
+        self.path: str | None = None
+        self.thread = threading.Thread(target=self._run, name=f"zerospeed-save-{job.tag}", daemon=False)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.path = self.job.run()
+        except BaseException as exc:
+            self.error = exc
+
+    def done(self) -> bool:
+        return not self.thread.is_alive()
+
+    def wait(self) -> str | None:
+        self.thread.join()
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise CheckpointError(f"the asynchronous save of checkpoint {self.job.tag!r} failed: {error}") from error
+        return self.path

@@ -1,0 +1,278 @@
+"""A checkpoint as a plain ``state_dict``, without an engine and without holding it all in memory.
+
+``convert_checkpoint`` (the ``zerospeed convert`` command) streams every tensor from the ranks'
+fragments into (sharded) safetensors files a chunk at a time, so its peak memory is a few chunks
+whatever the model size; ``get_fp32_state_dict`` returns the whole dict for the cases that want
+it; ``load_state_dict_from_checkpoint`` reads straight into a model's own tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from zerospeed.checkpoint.layout import CheckpointError, fsync_dir, resolve
+from zerospeed.checkpoint.reader import CheckpointSet
+from zerospeed.checkpoint.safetensors_io import StreamingWriter
+from zerospeed.checkpoint.state_io import MASTER
+
+BUFFER = "buffer"
+CHUNK_BYTES = 16 * 1024 * 1024
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16}
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def _open(checkpoint_dir: str, tag: str | None) -> CheckpointSet:
+    resolved, path = resolve(os.fspath(checkpoint_dir), tag)
+    if path is None:
+        raise CheckpointError(f"{checkpoint_dir} holds no checkpoint: no 'latest' file, no manifest.json; pass "
+                              f"the directory given to save_checkpoint (or a tag directory inside it)")
+    return CheckpointSet(path)
+
+
+def _entries(ckpt: CheckpointSet) -> list[tuple[str, str, str]]:
+    """``(state_dict key, kind, stored name)`` in the saved order; tied parameters under every name."""
+    aliases: dict[str, list[str]] = {}
+    for alias, canonical in ckpt.manifest.get("aliases", {}).items():
+        aliases.setdefault(canonical, []).append(alias)
+    out = []
+    for param in ckpt.manifest["params"]:
+        for key in [param["name"], *aliases.get(param["name"], [])]:
+            out.append((key, MASTER, param["name"]))
+    out += [(buf["name"], BUFFER, buf["name"]) for buf in ckpt.manifest.get("buffers", [])]
+    return out
+
+
+def _shape(ckpt: CheckpointSet, kind: str, name: str) -> tuple[int, ...]:
+    if kind == MASTER:
+        return tuple(ckpt.params[name]["shape"])
+    return next(tuple(buf["shape"]) for buf in ckpt.manifest["buffers"] if buf["name"] == name)
+
+
+def get_fp32_state_dict(checkpoint_dir: str, tag: str | None = None) -> dict[str, torch.Tensor]:
+    """The model's full-precision ``state_dict`` from a checkpoint of any world size and stage
+    (DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint``). Tied parameters share one tensor."""
+    with _open(checkpoint_dir, tag) as ckpt:
+        out: dict[str, torch.Tensor] = {}
+        loaded: dict[tuple[str, str], torch.Tensor] = {}
+        for key, kind, name in _entries(ckpt):
+            if (kind, name) not in loaded:
+                dtype = torch.float32 if kind == MASTER else ckpt.stored_dtype(kind, name)
+                tensor = torch.empty(_shape(ckpt, kind, name), dtype=dtype)
+                ckpt.read_range(kind, name, 0, tensor.numel(), tensor)
+                loaded[(kind, name)] = tensor
+            out[key] = loaded[(kind, name)]
+        return out
+
+
+def load_state_dict_from_checkpoint(model: nn.Module, checkpoint_dir: str, tag: str | None = None,
+                                    strict: bool = True) -> nn.Module:
+    """Read a checkpoint's weights straight into ``model``'s tensors (cast to their dtypes), one
+    tensor at a time; returns ``model``. ``strict`` refuses missing or unexpected keys."""
+    with _open(checkpoint_dir, tag) as ckpt:
+        stored = {key: (kind, name) for key, kind, name in _entries(ckpt)}
+        targets = dict(model.state_dict(keep_vars=True))
+        missing = sorted(set(targets) - set(stored))
+        unexpected = sorted(set(stored) - set(targets))
+        if strict and (missing or unexpected):
+            raise CheckpointError(f"{ckpt.path} does not match the model: missing {missing[:8] or 'none'}, "
+                                  f"unexpected {unexpected[:8] or 'none'}; pass strict=False to load what matches")
+        with torch.no_grad():
+            for key, tensor in targets.items():
+                if key not in stored:
+                    continue
+                kind, name = stored[key]
+                if tuple(tensor.shape) != _shape(ckpt, kind, name):
+                    raise CheckpointError(f"{key}: checkpoint shape {_shape(ckpt, kind, name)}, model "
+                                          f"{tuple(tensor.shape)}")
+                ckpt.read_range(kind, name, 0, tensor.numel(), tensor.data)
+    return model
+
+
+def parse_size(text: str | int) -> int:
+    """``"5GB"``, ``"500MB"``, ``"2GiB"`` or a number of bytes."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*", str(text), re.IGNORECASE)
+    if not match:
+        raise ValueError(f"size {text!r} is not understood; write e.g. 5GB, 500MB or 1073741824")
+    unit = match.group(2).upper().rstrip("B")
+    scale = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+             "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}[unit]
+    return int(float(match.group(1)) * scale)
+
+
+def convert_checkpoint(checkpoint_dir: str, output: str, *, tag: str | None = None, dtype: str = "fp32",
+                       max_shard_size: str | int = "5GB", chunk_bytes: int = CHUNK_BYTES) -> list[str]:
+    """Write the checkpoint's model as safetensors: one file when ``output`` ends in ``.safetensors``,
+    else a directory with ``model.safetensors`` or ``model-0000K-of-0000N.safetensors`` shards and
+    ``model.safetensors.index.json``. Streams chunk by chunk; returns the files written."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    out_dtype = DTYPES[dtype]
+    limit = parse_size(max_shard_size)
+    if limit <= 0:
+        raise ValueError(f"max_shard_size must be positive, got {max_shard_size!r}")
+    with _open(checkpoint_dir, tag) as ckpt:
+        tensors = []
+        for key, kind, name in _entries(ckpt):
+            stored = ckpt.stored_dtype(kind, name)
+            target = out_dtype if stored.is_floating_point else stored
+            tensors.append((key, kind, name, target, _shape(ckpt, kind, name)))
+        shards = _pack(tensors, limit)
+        single = output.endswith(".safetensors")
+        if single and len(shards) > 1:
+            raise CheckpointError(f"the model needs {len(shards)} files of at most {max_shard_size}; give a "
+                                  f"directory as OUTPUT (or a larger --max_shard_size) instead of {output!r}")
+        folder = os.path.dirname(os.path.abspath(output)) if single else os.path.abspath(output)
+        os.makedirs(folder, exist_ok=True)
+        names = [os.path.basename(output)] if single else (
+            ["model.safetensors"] if len(shards) == 1 else
+            [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+        written = []
+        try:
+            for name, shard in zip(names, shards):
+                path = os.path.join(folder, name)
+                written.append(path)
+                _write_shard(ckpt, path + ".partial", shard, chunk_bytes)
+            if not single:
+                index = {"metadata": {"total_size": sum(_nbytes(t) for s in shards for t in s), "format": "pt"},
+                         "weight_map": {t[0]: name for name, shard in zip(names, shards) for t in shard}}
+                with open(os.path.join(folder, INDEX_NAME + ".partial"), "w") as f:
+                    json.dump(index, f, indent=1)
+                written.append(os.path.join(folder, INDEX_NAME))
+        except BaseException:
+            for path in written:
+                if os.path.exists(path + ".partial"):
+                    os.remove(path + ".partial")
+            raise
+        for path in written:
+            os.replace(path + ".partial", path)
+        fsync_dir(folder)
+        return written
+
+
+def _nbytes(entry: tuple) -> int:
+    _, _, _, dtype, shape = entry
+    numel = 1
+    for d in shape:
+        numel *= d
+    return numel * torch.empty(0, dtype=dtype).element_size()
+
+
+def _pack(tensors: list[tuple], limit: int) -> list[list[tuple]]:
+    """Consecutive tensors into files of at most ``limit`` bytes (a bigger tensor gets its own)."""
+    shards: list[list[tuple]] = [[]]
+    size = 0
+    for entry in tensors:
+        nbytes = _nbytes(entry)
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += nbytes
+    return shards
+
+
+def _write_shard(ckpt: CheckpointSet, path: str, shard: list[tuple], chunk_bytes: int) -> None:
+    with StreamingWriter(path, [(key, dtype, shape) for key, _, _, dtype, shape in shard],
+                         {"format": "pt"}) as writer:
+        for key, kind, name, dtype, shape in shard:
+            numel = _nbytes((key, kind, name, dtype, shape)) // torch.empty(0, dtype=dtype).element_size()
+            step = max(chunk_bytes // torch.empty(0, dtype=dtype).element_size(), 1)
+            buffer = torch.empty(min(step, max(numel, 1)), dtype=dtype)
+            for lo in range(0, numel, step):
+                part = buffer[: min(step, numel - lo)]
+                ckpt.read_range(kind, name, lo, lo + part.numel(), part)
+                writer.write(part)
+
+
+# -- 16-bit weights from a live engine -----------------------------------------------------------
+def _live_weights(engine: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every parameter's full compute-dtype value (collective under stage 3: units are gathered one at
+    a time and released again)."""
+    state = engine.state
+    units = getattr(state, "units", None)
+    if units is None:
+        yield from ((name, p.detach()) for name, p in engine.module.named_parameters())
+        return
+    for unit in units:
+        was_gathered = unit.gathered
+        unit.gather()
+        for i, slot in enumerate(unit.plan.params):
+            yield slot.name, unit.param_slice(unit.full, i)
+        if not was_gathered:
+            unit.release()
+
+
+def save_16bit_model(engine: Any, save_dir: str, save_filename: str = "pytorch_model.bin",
+                     exclude_frozen_parameters: bool = False) -> bool:
+    """See :meth:`zerospeed.engine.Engine.save_16bit_model`."""
+    rank0 = engine.comm.rank == 0
+    module = engine.module
+    trainable = {name for name, p in module.named_parameters() if p.requires_grad}
+    weights = {}
+    for name, value in _live_weights(engine):
+        if rank0 and (name in trainable or not exclude_frozen_parameters):
+            weights[name] = value.detach().to("cpu", copy=True)
+    if rank0:
+        canonical = {id(p): n for n, p in module.named_parameters()}
+        state: dict[str, torch.Tensor] = {}
+        for key, value in module.state_dict(keep_vars=True).items():
+            if isinstance(value, nn.Parameter):
+                name = canonical.get(id(value))
+                if name in weights:
+                    state[key] = weights[name]
+            else:
+                state[key] = value.detach().to("cpu", copy=True)
+        os.makedirs(save_dir, exist_ok=True)
+        path = os.path.join(save_dir, save_filename)
+        tmp = path + ".partial"
+        if save_filename.endswith(".safetensors"):
+            with StreamingWriter(tmp, [(k, v.dtype, tuple(v.shape)) for k, v in state.items()],
+                                 {"format": "pt"}) as writer:
+                for value in state.values():
+                    writer.write(value)
+        else:
+            with open(tmp, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    engine.comm.barrier()
+    return True
+
+
+def convert_main(argv: list[str]) -> int:
+    """``zerospeed convert CHECKPOINT_DIR OUTPUT [--tag T] [--dtype fp32|bf16|fp16] [--max_shard_size 5GB]``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="zerospeed convert", description=(
+        "Write a zerospeed checkpoint (any world size, any ZeRO stage) as a plain state_dict in safetensors, "
+        "streaming tensor by tensor."))
+    parser.add_argument("checkpoint_dir", help="the directory given to save_checkpoint, or one tag inside it")
+    parser.add_argument("output", help="a directory (sharded files + index), or a file ending in .safetensors")
+    parser.add_argument("--tag", default=None, help="which checkpoint (default: the one 'latest' names)")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    parser.add_argument("--max_shard_size", default="5GB", help="largest output file, e.g. 5GB or 500MB")
+    args = parser.parse_args(argv)
+    try:
+        files = convert_checkpoint(args.checkpoint_dir, args.output, tag=args.tag, dtype=args.dtype,
+                                   max_shard_size=args.max_shard_size)
+    except (CheckpointError, ValueError, OSError) as exc:
+        print(f"zerospeed convert: error: {exc}", file=sys.stderr)
+        return 2
+    for path in files:
+        print(path)
+    return 0
+
+
+__all__ = ["convert_checkpoint", "get_fp32_state_dict", "load_state_dict_from_checkpoint", "parse_size",
+           "save_16bit_model"]

@@ -1,0 +1,243 @@
+"""``engine.save_checkpoint`` / ``engine.load_checkpoint``: what of an engine a checkpoint holds.
+
+Model and optimizer state go through :mod:`state_io` as topology-free fragments; the rest is small:
+counters, loss scaler and optimizer hyperparameters in the manifest (JSON), the LR scheduler and the
+user's ``client_state`` in ``engine_state.pt``, and each rank's RNG states and data position in its
+own ``rank<N>.state.pt`` so a resumed run draws the same dropout masks and batches.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import random
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+
+from zerospeed.checkpoint import layout
+from zerospeed.checkpoint.commit import BackgroundSave, RankSync, SaveJob
+from zerospeed.checkpoint.layout import CheckpointError
+from zerospeed.checkpoint.reader import CheckpointSet
+from zerospeed.checkpoint.state_io import (collect, describe_groups, load_masters, restore_optimizer_states,
+                                           load_param_groups)
+
+log = logging.getLogger("zerospeed")
+BUFFER = "buffer"
+
+
+def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: dict | None = None,
+                    save_latest: bool = True, async_save: bool | None = None) -> BackgroundSave | str:
+    """Run one save (every rank calls it); see :meth:`zerospeed.engine.Engine.save_checkpoint`."""
+    comm = engine.comm
+    tag = layout.check_tag(f"global_step{engine.global_steps}" if tag is None else tag)
+    save_dir = os.path.abspath(os.fspath(save_dir))
+    calls_before = comm.calls
+    sync = RankSync(comm.store, f"zerospeed/ckpt/{engine.checkpoint_id}/{engine.next_checkpoint_call()}",
+                    comm.rank, comm.world_size, comm.timeout)
+    sync.publish("hello", json.dumps([tag, save_dir]))
+
+    def watch(missing: list[int]) -> None:
+        elsewhere = {r: where for r, where in comm.ranks_waiting_beyond(calls_before).items() if r in missing}
+        if elsewhere:
+            raise CheckpointError(
+                f"save_checkpoint({save_dir!r}, tag={tag!r}) was called on rank {comm.rank}, but rank(s) "
+                f"{sorted(elsewhere)} went on to a collective instead ({', '.join(elsewhere.values())}). Every "
+                f"rank must call save_checkpoint (each writes its own shards); do not guard it with "
+                f"`if rank == 0`")
+
+    hellos = {r: tuple(json.loads(v)) for r, v in sync.gather("hello", watch=watch).items()}
+    if len(set(hellos.values())) > 1:
+        listing = "; ".join(f"rank {r}: tag {t!r} in {d}" for r, (t, d) in sorted(hellos.items()))
+        raise CheckpointError(f"save_checkpoint was called with different tags or directories on different ranks "
+                              f"({listing}); pass the same tag and save_dir everywhere (tag=None uses "
+                              f"global_step<N>, which the ranks agree on)")
+    if engine.micro_steps % engine.gradient_accumulation_steps():
+        warnings.warn(f"save_checkpoint in the middle of a gradient accumulation window (micro step "
+                      f"{engine.micro_steps}): the partly accumulated gradients are not saved", stacklevel=3)
+
+    tmp_dir = os.path.join(save_dir, f"{layout.TMP_PREFIX}{tag}-{engine.checkpoint_id[:8]}-{sync.prefix.rsplit('/', 1)[1]}")
+    os.makedirs(tmp_dir, exist_ok=True)
+    if comm.rank == 0:
+        layout.remove_stale_temporaries(save_dir, keep=tmp_dir)
+    payload = collect(engine.state.checkpoint_slots(for_save=True), engine.optimizer, with_optimizer=True)
+    buffers = _persistent_buffers(engine.module) if comm.rank == 0 else {}
+    for name, buf in buffers.items():
+        payload.add(BUFFER, name, 0, buf.numel(), buf.detach().reshape(-1))
+    asynchronous = engine.config.checkpoint.writer is not None and engine.config.checkpoint.writer.decoupled \
+        if async_save is None else bool(async_save)
+    if asynchronous:
+        payload = payload.snapshot()
+    rank_state = {"rng": _rng_state(), "loader": _loader_state(engine)}
+    engine_state = manifest = None
+    if comm.rank == 0:
+        scheduler = engine.lr_scheduler
+        engine_state = {"lr_scheduler": scheduler.state_dict() if hasattr(scheduler, "state_dict") else None,
+                        "client_state": client_state or {}}
+        manifest = _manifest(engine, tag, buffers)
+    job = SaveJob(sync, save_dir, tmp_dir, tag, payload, rank_state, engine_state, manifest, save_latest)
+    if asynchronous:
+        return BackgroundSave(job)
+    return job.run()
+
+
+def _manifest(engine: Any, tag: str, buffers: dict[str, torch.Tensor]) -> dict[str, Any]:
+    import zerospeed
+
+    optimizer = engine.optimizer
+    group_params = [[] for _ in optimizer.param_groups] if optimizer is not None else []
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    aliases = {n: names[id(p)] for n, p in engine.module.named_parameters(remove_duplicate=False)
+               if names[id(p)] != n}
+    return {
+        "format": layout.FORMAT, "version": layout.VERSION, "tag": tag,
+        "zerospeed_version": zerospeed.__version__, "torch_version": torch.__version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "world_size": engine.comm.world_size, "zero_stage": engine.state.stage,
+        "micro_batch_size": engine.train_micro_batch_size_per_gpu(),
+        "counters": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
+                     "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps},
+        "loss_scaler": {"class": type(engine.scaler).__name__, **engine.scaler.state_dict()},
+        "params": [{"name": p.name, "shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch."),
+                    "trainable": p.trainable} for p in engine.state.checkpoint_params()],
+        "aliases": aliases,
+        "buffers": [{"name": n, "shape": list(b.shape), "dtype": str(b.dtype).removeprefix("torch.")}
+                    for n, b in buffers.items()],
+        "optimizer": None if optimizer is None else {
+            "class": type(optimizer).__name__, "param_groups": describe_groups(optimizer, group_params)},
+        "config": json.loads(engine.config.to_json()),
+    }
+
+
+def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+                    load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                    load_module_only: bool = False) -> tuple[str | None, Any]:
+    """Load (and reshard) a checkpoint; every rank calls it. See ``Engine.load_checkpoint``."""
+    comm = engine.comm
+    load_dir = os.fspath(load_dir)
+    tag, path = layout.resolve(load_dir, None if tag is None else str(tag))
+    seen = comm.all_gather_object((tag, path and os.path.abspath(path)))
+    if len(set(seen)) > 1:
+        raise CheckpointError(f"the ranks resolved different checkpoints: "
+                              f"{'; '.join(f'rank {r}: {t!r} at {p}' for r, (t, p) in enumerate(seen))}; "
+                              f"pass the same load_dir and tag everywhere")
+    if path is None:
+        warnings.warn(f"load_checkpoint: {load_dir} holds no checkpoint (no '{layout.LATEST}' file and no tag "
+                      f"given); nothing was loaded", stacklevel=3)
+        return None, None
+    with CheckpointSet(path) as ckpt:
+        manifest = ckpt.manifest
+        _check_params(engine, ckpt, strict=load_module_strict)
+        load_masters(engine.state.checkpoint_slots(for_save=False), ckpt, strict=load_module_strict)
+        with torch.no_grad():
+            for name, buf in _persistent_buffers(engine.module).items():
+                if ckpt.has(BUFFER, name):
+                    ckpt.read_range(BUFFER, name, 0, buf.numel(), buf)
+        engine.state.after_checkpoint_load()
+        engine_state = _load_torch(os.path.join(path, layout.ENGINE_STATE)) or {}
+        if load_module_only:
+            return path, engine_state.get("client_state")
+        optimizer = engine.optimizer
+        if load_optimizer_states and optimizer is not None and manifest.get("optimizer") is not None:
+            saved_class = manifest["optimizer"]["class"]
+            if saved_class != type(optimizer).__name__:
+                raise CheckpointError(f"{path} holds {saved_class} states but this engine's optimizer is "
+                                      f"{type(optimizer).__name__}; load with load_optimizer_states=False")
+            load_param_groups(optimizer, ckpt)
+            restore_optimizer_states(engine.state.checkpoint_slots(for_save=False), optimizer, ckpt)
+    _load_scaler(engine, manifest["loss_scaler"])
+    counters = manifest["counters"]
+    engine.global_steps = int(counters["global_steps"])
+    engine.global_samples = int(counters["global_samples"])
+    engine.micro_steps = int(counters["micro_steps"])
+    engine.skipped_steps = int(counters["skipped_steps"])
+    scheduler_state = engine_state.get("lr_scheduler")
+    if load_lr_scheduler_states and scheduler_state is not None and hasattr(engine.lr_scheduler, "load_state_dict"):
+        engine.lr_scheduler.load_state_dict(scheduler_state)
+    same_topology = int(manifest["world_size"]) == comm.world_size
+    rank_state = _load_torch(os.path.join(path, layout.rank_state(comm.rank))) if same_topology else None
+    if rank_state is not None:
+        _set_rng_state(rank_state["rng"])
+    _restore_loader(engine, manifest, rank_state)
+    return path, engine_state.get("client_state")
+
+
+def _check_params(engine: Any, ckpt: CheckpointSet, *, strict: bool) -> None:
+    mine = {p.name: p for p in engine.state.checkpoint_params()}
+    aliases = ckpt.manifest.get("aliases", {})
+    wrong = [f"{name}: checkpoint {tuple(ckpt.params[name]['shape'])}, model {p.shape}"
+             for name, p in mine.items() if name in ckpt.params and tuple(ckpt.params[name]["shape"]) != p.shape]
+    if wrong:
+        raise CheckpointError(f"{ckpt.path}: parameter shapes differ from this model's: {'; '.join(wrong[:8])}")
+    unexpected = sorted(set(ckpt.params) - set(mine) - set(aliases))
+    if unexpected and strict:
+        raise CheckpointError(f"{ckpt.path} holds {len(unexpected)} parameter(s) this model does not have: "
+                              f"{', '.join(unexpected[:8])}; load with load_module_strict=False to ignore them")
+
+
+def _persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers ``state_dict`` would hold (non-persistent ones excluded), by name."""
+    keys = set(module.state_dict(keep_vars=True))
+    return {name: buf for name, buf in module.named_buffers() if name in keys}
+
+
+def _rng_state() -> dict[str, Any]:
+    from zerospeed.accelerator import get_accelerator
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    accelerator = get_accelerator()
+    if accelerator.device_type != "cpu":
+        state["device"] = torch.get_device_module(accelerator.device_type).get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    from zerospeed.accelerator import get_accelerator
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "device" in state and get_accelerator().device_type != "cpu":
+        torch.get_device_module(get_accelerator().device_type).set_rng_state(state["device"])
+
+
+def _loader_state(engine: Any) -> dict[str, int] | None:
+    loader = getattr(engine, "training_dataloader", None)
+    return loader.state_dict() if loader is not None else None
+
+
+def _restore_loader(engine: Any, manifest: dict[str, Any], rank_state: dict[str, Any] | None) -> None:
+    """Continue the data where the saved run was; across a world-size change, at the same number of
+    samples consumed (rounded down to whole micro-batches)."""
+    loader = getattr(engine, "training_dataloader", None)
+    if loader is None:
+        return
+    if rank_state is not None and rank_state.get("loader") is not None:
+        loader.load_state_dict(rank_state["loader"])
+        return
+    samples = int(manifest["counters"]["global_samples"])
+    per_step = engine.train_micro_batch_size_per_gpu() * engine.comm.world_size
+    epoch_batches = max(len(loader), 1)
+    batches = samples // per_step
+    loader.load_state_dict({"epoch": batches // epoch_batches, "batches_in_epoch": batches % epoch_batches})
+
+
+def _load_scaler(engine: Any, saved: dict[str, Any]) -> None:
+    saved = dict(saved)
+    kind = saved.pop("class", None)
+    if kind is not None and kind != type(engine.scaler).__name__:
+        log.warning("load_checkpoint: the checkpoint's loss scaler is %s, this run's %s (precision changed); "
+                    "keeping this run's scale", kind, type(engine.scaler).__name__)
+        return
+    engine.scaler.load_state_dict(saved)
+    engine._publish_scale()
+
+
+def _load_torch(path: str) -> Any:
+    if not os.path.isfile(path):
+        return None
+    return torch.load(path, map_location="cpu", weights_only=False)

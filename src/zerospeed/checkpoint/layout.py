@@ -1,0 +1,156 @@
+"""Where a checkpoint's files live and how a tag is found: names, ``latest``, the manifest, validation.
+
+A save directory holds one directory per tag and a ``latest`` file naming the newest. A tag
+directory appears only by an atomic rename of a fully written, fsynced temporary directory
+(``.tmp-<tag>-...``), so any tag directory that exists is complete. Overwriting a tag moves the old
+directory to ``.old-<tag>`` for the instant between two renames; a reader finding the tag missing
+but ``.old-<tag>`` present (a crash in that instant) uses the old one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any
+
+FORMAT = "zerospeed-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+LATEST = "latest"
+ENGINE_STATE = "engine_state.pt"
+TMP_PREFIX = ".tmp-"
+OLD_PREFIX = ".old-"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message names the file or key and the fix."""
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank:05d}.safetensors"
+
+
+def rank_index(rank: int) -> str:
+    return f"rank{rank:05d}.index.json"
+
+
+def rank_state(rank: int) -> str:
+    return f"rank{rank:05d}.state.pt"
+
+
+def tensor_key(kind: str, param: str, start: int, end: int) -> str:
+    """A stored tensor's name: what it is, whose, and which elements of the flattened parameter."""
+    return f"{kind}:{param}[{start}:{end}]"
+
+
+def check_tag(tag: str) -> str:
+    tag = str(tag)
+    if not tag or tag in (".", "..") or "/" in tag or os.sep in tag or tag.startswith(".") or tag == LATEST:
+        raise CheckpointError(f"checkpoint tag {tag!r} cannot be a directory name here: use a plain name such as "
+                              f"'global_step100' (no '/', not starting with '.', not {LATEST!r})")
+    return tag
+
+
+def read_latest(save_dir: str) -> str | None:
+    path = os.path.join(save_dir, LATEST)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        tag = f.read().strip()
+    return tag or None
+
+
+def tag_dir(save_dir: str, tag: str) -> str | None:
+    """The complete directory of ``tag``, recovering from a crash between the two renames of an
+    overwrite; None if there is none."""
+    path = os.path.join(save_dir, tag)
+    if os.path.isfile(os.path.join(path, MANIFEST)):
+        return path
+    old = os.path.join(save_dir, OLD_PREFIX + tag)
+    if os.path.isfile(os.path.join(old, MANIFEST)):
+        return old
+    return None
+
+
+def resolve(load_dir: str, tag: str | None) -> tuple[str | None, str | None]:
+    """``(tag, directory)`` to load, ``tag=None`` meaning the one ``latest`` names; ``(None, None)``
+    when ``load_dir`` holds no checkpoint at all. A tag that was asked for but is absent raises."""
+    if tag is None:
+        tag = read_latest(load_dir)
+        if tag is None:
+            if os.path.isfile(os.path.join(load_dir, MANIFEST)):  # the tag directory itself was given
+                return os.path.basename(os.path.normpath(load_dir)), load_dir
+            return None, None
+    path = tag_dir(load_dir, tag)
+    if path is None:
+        present = sorted(d for d in os.listdir(load_dir) if tag_dir(load_dir, d)) if os.path.isdir(load_dir) else []
+        raise CheckpointError(f"checkpoint tag {tag!r} not found in {load_dir} (tags there: {present or 'none'}); "
+                              f"pass one of them as tag=")
+    return tag, path
+
+
+def read_manifest(path: str) -> dict[str, Any]:
+    file = os.path.join(path, MANIFEST)
+    try:
+        with open(file) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{file} cannot be read ({exc}); the checkpoint is damaged, load another tag") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{file} is not a zerospeed checkpoint manifest (format={manifest.get('format')!r})")
+    if int(manifest.get("version", 0)) > VERSION:
+        raise CheckpointError(f"{file} has format version {manifest['version']}, newer than this zerospeed reads "
+                              f"({VERSION}); upgrade zerospeed")
+    for name, info in manifest["files"].items():
+        actual = os.path.getsize(os.path.join(path, name)) if os.path.isfile(os.path.join(path, name)) else None
+        if actual != info["bytes"]:
+            raise CheckpointError(f"{os.path.join(path, name)}: expected {info['bytes']} bytes, found "
+                                  f"{'no file' if actual is None else actual}; the checkpoint is damaged")
+    return manifest
+
+
+def write_file_atomic(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file, fsync and rename (readers see old or new)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path) or ".")
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit_dir(tmp: str, save_dir: str, tag: str) -> str:
+    """Make the written ``tmp`` directory the tag's directory (replacing an older one) atomically."""
+    final = os.path.join(save_dir, tag)
+    old = os.path.join(save_dir, OLD_PREFIX + tag)
+    if os.path.exists(old):  # from a crash during an earlier overwrite; the tag itself is complete
+        if os.path.isdir(final):
+            shutil.rmtree(old)
+        else:
+            os.rename(old, final)
+    if os.path.exists(final):
+        os.rename(final, old)
+        fsync_dir(save_dir)
+    os.rename(tmp, final)
+    fsync_dir(save_dir)
+    if os.path.exists(old):
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def remove_stale_temporaries(save_dir: str, keep: str) -> None:
+    """Delete ``.tmp-*`` directories left by saves that crashed (never the one in progress)."""
+    for name in os.listdir(save_dir):
+        path = os.path.join(save_dir, name)
+        if name.startswith(TMP_PREFIX) and os.path.isdir(path) and path != keep:
+            shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,97 @@
+"""Read any element range of any parameter's saved state, whatever topology wrote it.
+
+A checkpoint's fragments (``kind``, ``param``, ``[start, end)``, file, key) tile each parameter's
+flattened values; :meth:`CheckpointSet.read_range` finds the fragments overlapping a requested
+range and ``pread``s just those bytes, so a rank loading a shard reads only that shard, and a
+consolidation holds one chunk at a time.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from zerospeed.checkpoint.layout import CheckpointError, read_manifest
+from zerospeed.checkpoint.safetensors_io import SafetensorsReader
+
+
+class CheckpointSet:
+    """One tag directory: its manifest and lazily opened rank files."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.manifest: dict[str, Any] = read_manifest(path)
+        self.params: dict[str, dict[str, Any]] = {p["name"]: p for p in self.manifest["params"]}
+        index: dict[tuple[str, str], list[tuple[int, int, str, str]]] = defaultdict(list)
+        for frag in self.manifest["fragments"]:
+            index[(frag["kind"], frag["param"])].append((frag["start"], frag["end"], frag["file"], frag["key"]))
+        self._index = {key: sorted(frags) for key, frags in index.items()}
+        self._starts = {key: [f[0] for f in frags] for key, frags in self._index.items()}
+        self._readers: dict[str, SafetensorsReader] = {}
+
+    def has(self, kind: str, param: str) -> bool:
+        return (kind, param) in self._index
+
+    def kinds(self, param: str) -> list[str]:
+        return sorted(kind for kind, name in self._index if name == param)
+
+    def stored_dtype(self, kind: str, param: str) -> torch.dtype:
+        _, _, file, key = self._index[(kind, param)][0]
+        return self._reader(file).entries[key].dtype
+
+    def read_range(self, kind: str, param: str, start: int, end: int, out: torch.Tensor) -> None:
+        """Fill ``out`` (``end - start`` elements) with elements ``[start, end)`` of ``param``'s ``kind``."""
+        frags = self._index.get((kind, param))
+        if frags is None:
+            raise CheckpointError(f"{self.path} has no {kind!r} values for parameter {param!r}")
+        if out.numel() != end - start:
+            raise ValueError(f"read_range: out has {out.numel()} elements for [{start}, {end})")
+        target = out.view(-1) if out.device.type == "cpu" and out.is_contiguous() else torch.empty(
+            end - start, dtype=out.dtype)
+        covered = 0
+        first = max(bisect.bisect_right(self._starts[(kind, param)], start) - 1, 0)
+        for lo, hi, file, key in frags[first:]:
+            if lo >= end:
+                break
+            a, b = max(lo, start), min(hi, end)
+            if a >= b:
+                continue
+            self._reader(file).read_into(key, target[a - start: b - start], start=a - lo)
+            covered += b - a
+        if covered != end - start:
+            raise CheckpointError(f"{self.path}: the saved {kind!r} fragments of {param!r} cover {covered} of the "
+                                  f"{end - start} elements [{start}, {end}); the checkpoint is incomplete")
+        if target is not out and target.data_ptr() != out.data_ptr():
+            out.view(-1).copy_(target)
+
+    def read_param(self, kind: str, param: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        info = self.params[param]
+        shape = tuple(info["shape"])
+        out = torch.empty(shape, dtype=dtype or self.stored_dtype(kind, param))
+        self.read_range(kind, param, 0, out.numel(), out)
+        return out
+
+    def _reader(self, file: str) -> SafetensorsReader:
+        reader = self._readers.get(file)
+        if reader is None:
+            try:
+                reader = SafetensorsReader(os.path.join(self.path, file))
+            except (OSError, ValueError) as exc:
+                raise CheckpointError(f"cannot read {os.path.join(self.path, file)}: {exc}") from None
+            self._readers[file] = reader
+        return reader
+
+    def close(self) -> None:
+        for reader in self._readers.values():
+            reader.close()
+        self._readers.clear()
+
+    def __enter__(self) -> "CheckpointSet":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

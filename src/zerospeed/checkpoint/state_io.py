@@ -1,0 +1,172 @@
+"""Model and optimizer state <-> checkpoint fragments, for any stage and any world size.
+
+Saving turns a rank's :class:`Slot` list into named 1-D tensors: the master values (kind
+``master``) and every per-element optimizer state (kind ``optim.<key>``, e.g. ``optim.exp_avg``),
+each covering the slot's element range; per-parameter scalars (Adam's ``step``) go to the
+manifest. Loading asks the checkpoint for exactly the ranges the new topology's slots cover.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from zerospeed.checkpoint.layout import CheckpointError, tensor_key
+from zerospeed.checkpoint.reader import CheckpointSet
+from zerospeed.checkpoint.slots import Slot
+
+MASTER = "master"
+OPTIM_PREFIX = "optim."
+
+
+@dataclass
+class RankPayload:
+    """What one rank writes: 1-D tensors by key, their fragments, and optimizer scalars."""
+
+    tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    fragments: list[dict[str, Any]] = field(default_factory=list)
+    scalars: dict[str, dict[str, Any]] = field(default_factory=dict)
+    group_params: list[list[str]] = field(default_factory=list)
+
+    def add(self, kind: str, param: str, start: int, end: int, tensor: torch.Tensor) -> None:
+        key = tensor_key(kind, param, start, end)
+        self.tensors.append((key, tensor))
+        self.fragments.append({"kind": kind, "param": param, "start": start, "end": end, "key": key})
+
+    def snapshot(self) -> "RankPayload":
+        """A private CPU copy of every tensor, so training may go on while it is written."""
+        copied = [(key, t.detach().to("cpu", copy=True)) for key, t in self.tensors]
+        return RankPayload(copied, self.fragments, self.scalars, self.group_params)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, t in self.tensors)
+
+
+def collect(slots: Sequence[Slot], optimizer: torch.optim.Optimizer | None, *, with_optimizer: bool) -> RankPayload:
+    """This rank's fragments (views of the live state, not copies)."""
+    out = RankPayload()
+    for slot in slots:
+        if slot.numel:
+            out.add(MASTER, slot.param, slot.start, slot.end, slot.master.detach().reshape(-1))
+    if optimizer is None or not with_optimizer:
+        return out
+    name_of = {id(slot.opt_key): slot.param for slot in slots if slot.opt_key is not None}
+    for slot in slots:
+        if slot.opt_key is None:
+            continue
+        for key, value in optimizer.state.get(slot.opt_key, {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == slot.opt_key.numel():
+                if slot.numel:
+                    part = value.detach().reshape(-1)[slot.key_offset: slot.key_offset + slot.numel]
+                    out.add(OPTIM_PREFIX + key, slot.param, slot.start, slot.end, part)
+            else:
+                out.scalars.setdefault(slot.param, {})[key] = _encode_scalar(slot.param, key, value, slot.opt_key)
+    out.group_params = [[name_of[id(p)] for p in group["params"] if id(p) in name_of]
+                        for group in optimizer.param_groups]
+    return out
+
+
+def _encode_scalar(param: str, key: str, value: Any, like: torch.Tensor) -> dict[str, Any]:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return {"value": value.item(), "dtype": str(value.dtype).removeprefix("torch."), "shape": list(value.shape),
+                "on_param_device": value.device == like.device}
+    if isinstance(value, (bool, int, float)) or value is None:
+        return {"value": value}
+    raise CheckpointError(f"optimizer state {key!r} of parameter {param} is a {type(value).__name__}"
+                          f"{' of shape ' + str(tuple(value.shape)) if isinstance(value, torch.Tensor) else ''}: "
+                          f"neither one value per element nor a scalar, so it cannot be resharded")
+
+
+def _decode_scalar(entry: dict[str, Any], like: torch.Tensor) -> Any:
+    if "dtype" not in entry:
+        return entry["value"]
+    device = like.device if entry.get("on_param_device") else torch.device("cpu")
+    return torch.tensor(entry["value"], dtype=getattr(torch, entry["dtype"]), device=device).reshape(entry["shape"])
+
+
+def load_masters(slots: Sequence[Slot], ckpt: CheckpointSet, *, strict: bool) -> list[str]:
+    """Fill every slot's master values; returns the parameters the checkpoint lacks (an error when
+    ``strict``)."""
+    missing = sorted({slot.param for slot in slots if not ckpt.has(MASTER, slot.param)})
+    if missing and strict:
+        raise CheckpointError(f"{ckpt.path} has no values for {len(missing)} parameter(s) of this model: "
+                              f"{_names(missing)}; load with load_module_strict=False to keep their current values")
+    with torch.no_grad():
+        for slot in slots:
+            if slot.numel and slot.param not in missing:
+                ckpt.read_range(MASTER, slot.param, slot.start, slot.end, slot.master)
+    return missing
+
+
+def restore_optimizer_states(slots: Sequence[Slot], optimizer: torch.optim.Optimizer, ckpt: CheckpointSet) -> None:
+    """Rebuild the optimizer's per-parameter state for the tensors this rank now holds."""
+    saved = ckpt.manifest.get("optimizer") or {}
+    scalars = saved.get("scalars", {})
+    by_key: dict[int, list[Slot]] = defaultdict(list)
+    for slot in slots:
+        if slot.opt_key is not None:
+            by_key[id(slot.opt_key)].append(slot)
+    state: dict[torch.Tensor, dict[str, Any]] = {}
+    for group in by_key.values():
+        key_tensor = group[0].opt_key
+        assert key_tensor is not None
+        param = group[0].param
+        entry: dict[str, Any] = {}
+        for kind in ckpt.kinds(param):
+            if not kind.startswith(OPTIM_PREFIX):
+                continue
+            values = torch.zeros(key_tensor.numel(), dtype=ckpt.stored_dtype(kind, param), device=key_tensor.device)
+            for slot in group:
+                ckpt.read_range(kind, param, slot.start, slot.end,
+                                values[slot.key_offset: slot.key_offset + slot.numel])
+            entry[kind.removeprefix(OPTIM_PREFIX)] = values.view(key_tensor.shape)
+        for key, value in scalars.get(param, {}).items():
+            entry[key] = _decode_scalar(value, key_tensor)
+        if entry:
+            state[key_tensor] = entry
+    optimizer.state.clear()
+    optimizer.state.update(state)
+
+
+def load_param_groups(optimizer: torch.optim.Optimizer, ckpt: CheckpointSet) -> None:
+    """Restore each group's hyperparameters (lr, betas, weight decay, ...) by position, as torch does."""
+    saved = (ckpt.manifest.get("optimizer") or {}).get("param_groups", [])
+    if len(saved) != len(optimizer.param_groups):
+        raise CheckpointError(f"{ckpt.path}: the saved optimizer has {len(saved)} param group(s), this one "
+                              f"{len(optimizer.param_groups)}; build the optimizer with the same groups, or load "
+                              f"with load_optimizer_states=False")
+    for group, values in zip(optimizer.param_groups, saved):
+        for key, value in values.items():
+            if key == "params":
+                continue
+            current = group.get(key)
+            group[key] = tuple(value) if isinstance(current, tuple) and isinstance(value, list) else value
+
+
+def describe_groups(optimizer: torch.optim.Optimizer, group_params: list[list[str]]) -> list[dict[str, Any]]:
+    """The optimizer's groups as JSON: hyperparameters plus the names of their parameters."""
+    out = []
+    for g, group in enumerate(optimizer.param_groups):
+        values = {k: _jsonable(v) for k, v in group.items() if k != "params"}
+        values["params"] = group_params[g] if g < len(group_params) else []
+        out.append(values)
+    return out
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    return repr(value)
+
+
+def _names(names: Sequence[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
