@@ -12,6 +12,7 @@ import atexit
 import contextlib
 import logging
 import math
+import os
 import time
 import uuid
 import weakref
@@ -175,13 +176,13 @@ class Engine(nn.Module):
 
     # -- checkpoints ------------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict | None = None,
-                        save_latest: bool = True, async_save: bool | None = None) -> str | None:
+                        save_latest: bool = True, async_save: bool | None = None) -> str:
         """Save model, optimizer, scheduler, loss scaler, counters, RNG and data position (every rank calls
         this; each writes only its own shards). ``tag`` defaults to ``global_step<N>``; the directory
         appears atomically and ``latest`` then names it. With ``async_save`` (default: the config's
         ``checkpoint.writer.decoupled``) the state is copied to CPU and written in the background; the
         next save, a load, or the end of the process waits for it. Returns the checkpoint's directory
-        (None while an asynchronous save is still writing)."""
+        (for an asynchronous save, where it will appear once committed)."""
         from zerospeed.checkpoint.engine_io import save_checkpoint
 
         self.wait_for_checkpoint()
@@ -189,7 +190,7 @@ class Engine(nn.Module):
         if isinstance(result, str):
             return result
         self._pending_save = result
-        return None
+        return os.path.join(result.job.save_dir, result.job.tag)
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
