@@ -66,7 +66,7 @@ class CheckpointSet:
             raise CheckpointError(f"{self.path}: the saved {kind!r} fragments of {param!r} cover {covered} of the "
                                   f"{end - start} elements [{start}, {end}); the checkpoint is incomplete")
         if target is not out and target.data_ptr() != out.data_ptr():
-            out.view(-1).copy_(target)
+            out.copy_(target.view(out.shape))  # out may be non-contiguous (a transposed buffer): no view(-1)
 
     def read_param(self, kind: str, param: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         info = self.params[param]

@@ -20,6 +20,7 @@ from zerospeed.checkpoint.slots import Slot
 
 MASTER = "master"
 OPTIM_PREFIX = "optim."
+SCALAR_KEYS = frozenset({"step"})  # per-parameter counters, never per element
 
 
 @dataclass
@@ -59,7 +60,7 @@ def collect(slots: Sequence[Slot], optimizer: torch.optim.Optimizer | None, *, w
         if slot.opt_key is None:
             continue
         for key, value in optimizer.state.get(slot.opt_key, {}).items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == slot.opt_key.numel():
+            if _per_element(key, value, slot.opt_key):
                 if slot.numel:
                     part = value.detach().reshape(-1)[slot.key_offset: slot.key_offset + slot.numel]
                     out.add(OPTIM_PREFIX + key, slot.param, slot.start, slot.end, part)
@@ -68,6 +69,17 @@ def collect(slots: Sequence[Slot], optimizer: torch.optim.Optimizer | None, *, w
     out.group_params = [[name_of[id(p)] for p in group["params"] if id(p) in name_of]
                         for group in optimizer.param_groups]
     return out
+
+
+def _per_element(key: str, value: Any, like: torch.Tensor) -> bool:
+    """Whether optimizer state ``key`` holds one value per element of the tensor ``like`` (resharded
+    as fragments) rather than one per parameter (kept in the manifest). A 0-dim parameter's moments
+    are 0-dim like its ``step``: only the name tells them apart (every torch optimizer and Lamb name
+    their counter ``step``), and stages 1-3 hold that parameter as a 1-element piece, so its moments
+    must be fragments or they would not fit there."""
+    if not isinstance(value, torch.Tensor) or value.numel() != like.numel():
+        return False
+    return value.dim() > 0 or (like.dim() == 0 and key not in SCALAR_KEYS)
 
 
 def _encode_scalar(param: str, key: str, value: Any, like: torch.Tensor) -> dict[str, Any]:

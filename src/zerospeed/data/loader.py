@@ -45,9 +45,12 @@ class DistributedLoader:
         self.drop_last = drop_last
         self.sampler = ResumableSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle,
                                         seed=seed, drop_last=drop_last)
+        # Its own generator: a DataLoader without one draws its workers' base seed from the global torch
+        # RNG each time an iterator starts, which would shift every later dropout mask of a resumed run.
+        self._generator = torch.Generator()
         self._loader = DataLoader(dataset, batch_size=micro_batch_size, sampler=self.sampler,
                                   collate_fn=collate_fn, drop_last=drop_last, num_workers=num_workers,
-                                  pin_memory=pin_memory)
+                                  pin_memory=pin_memory, generator=self._generator)
         self.epoch = 0
         self.batches_in_epoch = 0  # micro-batches already yielded in the current epoch
 
@@ -58,6 +61,7 @@ class DistributedLoader:
 
     def __iter__(self) -> Iterator[Any]:
         self.sampler.set_epoch(self.epoch)
+        self._generator.manual_seed(self.sampler.seed + self.epoch)  # worker seeds depend on (seed, epoch) only
         self.sampler.start_index = self.batches_in_epoch * self.micro_batch_size
         try:
             for batch in self._loader:
