@@ -3,7 +3,7 @@
 ``engine.save_checkpoint`` / ``engine.load_checkpoint`` write and read them; this package also reads
 them without an engine: :func:`get_fp32_state_dict`, :func:`load_state_dict_from_checkpoint`, and
 ``zerospeed convert`` (:func:`convert_checkpoint`). Names resolve lazily so that importing the
-package (the ZeRO states import :mod:`.slots`) stays cheap and free of import cycles.
+package stays cheap and free of import cycles.
 """
 
 from __future__ import annotations

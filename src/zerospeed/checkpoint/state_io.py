@@ -16,7 +16,7 @@ import torch
 
 from zerospeed.checkpoint.layout import CheckpointError, tensor_key
 from zerospeed.checkpoint.reader import CheckpointSet
-from zerospeed.checkpoint.slots import Slot
+from zerospeed.sharding.slots import Slot
 
 MASTER = "master"
 OPTIM_PREFIX = "optim."

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zerospeed.checkpoint.slots import ParamInfo, Slot, even_split
+from zerospeed.sharding.slots import ParamInfo, Slot, even_split
 from zerospeed.dist.comm import Comm
 from zerospeed.zero.flat_param import OWNER
 from zerospeed.zero.grads import GradBuckets, ReductionPolicy

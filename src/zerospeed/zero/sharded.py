@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerospeed.checkpoint.slots import ParamInfo, Slot
+from zerospeed.sharding.slots import ParamInfo, Slot
 from zerospeed.dist.comm import Comm
 from zerospeed.sharding.plan import ShardPlan
 from zerospeed.zero.flat_param import OWNER, FlatParamUnit, shape_of

@@ -4,7 +4,7 @@ A checkpoint never stores a rank's flat buffers (their layout depends on the wor
 stage and the unit boundaries); it stores, for every parameter, contiguous element ranges of the
 parameter's flattened values. Each strategy (stage 0's :class:`ReplicatedState`, stages 1-3's
 :class:`ShardedState`) describes what it holds as :class:`Slot` values, so saving and resharded
-loading are written once, in :mod:`zerospeed.checkpoint.state_io`.
+loading are written once, in :mod:`zerospeed.checkpoint.state_io` (this module sits below both).
 """
 
 from __future__ import annotations
