@@ -209,8 +209,13 @@ class Engine(nn.Module):
         return pending.wait() if pending is not None else None
 
     def next_checkpoint_call(self) -> int:
+        """Number this save's handshake; every rank counts its saves the same way."""
         self._checkpoint_calls += 1
         return self._checkpoint_calls
+
+    def return_checkpoint_call(self) -> None:
+        """Un-count a save that only this rank attempted (its peers never used the number)."""
+        self._checkpoint_calls -= 1
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:

@@ -9,6 +9,10 @@ one has gone on to a collective instead of saving (``if rank == 0: save_checkpoi
 Order of a save: handshake (same tag and directory everywhere) -> each rank writes and fsyncs its
 files into ``<dir>/.tmp-<tag>-<id>`` and reports -> rank 0 writes the manifest, fsyncs, renames the
 directory to ``<dir>/<tag>`` and rewrites ``latest`` -> every rank learns the outcome.
+
+While a rank writes and commits it also beats a heartbeat key, so a rank that died mid-save
+(SIGKILL, the OOM killer, a lost node) is told from one still writing: the others stop waiting
+after :data:`PEER_SILENCE_LIMIT` seconds of silence instead of the whole process group timeout.
 """
 
 from __future__ import annotations
@@ -30,6 +34,11 @@ from zerospeed.checkpoint.safetensors_io import StreamingWriter
 from zerospeed.checkpoint.state_io import RankPayload
 
 _POLL = 0.02  # seconds between store polls; store.wait would hold the store client's lock
+_BEAT = 1.0  # seconds between a saving rank's heartbeats
+_LIVENESS_POLL = 0.5  # seconds between looks at the missing ranks' heartbeats
+# A rank that started writing and has not beaten for this long is taken for dead. Generous, since a
+# heartbeat only needs the GIL for a moment (large writes release it); tests lower it.
+PEER_SILENCE_LIMIT = 60.0
 
 
 class RankSync:
@@ -43,6 +52,15 @@ class RankSync:
         if self.store is not None:
             self.store.set(f"{self.prefix}/{step}/{self.rank}", value)
 
+    def withdraw(self, step: str) -> None:
+        """Take back this rank's value for ``step`` (a handshake this rank abandoned), so a later
+        save under the same prefix cannot read it."""
+        if self.store is not None:
+            self.store.delete_key(f"{self.prefix}/{step}/{self.rank}")
+
+    def heartbeat(self) -> "Heartbeat":
+        return Heartbeat(self)
+
     def gather(self, step: str, ranks: list[int] | None = None,
                watch: Callable[[list[int]], None] | None = None) -> dict[int, str]:
         """Every rank's value for ``step`` (or only ``ranks``'), polling; ``watch(missing)`` may raise
@@ -52,17 +70,72 @@ class RankSync:
             return {self.rank: ""}
         keys = {r: f"{self.prefix}/{step}/{r}" for r in ranks}
         deadline = time.monotonic() + self.timeout
+        beats: dict[int, tuple[bytes, float]] = {}  # rank -> (last heartbeat seen, when it was first seen)
+        next_look = time.monotonic() + _LIVENESS_POLL
         while True:
             missing = [r for r, key in keys.items() if not self.store.check([key])]
             if not missing:
                 return {r: self.store.get(key).decode() for r, key in keys.items()}
             if watch is not None:
                 watch(missing)
+            if time.monotonic() >= next_look:
+                self._check_alive(step, missing, beats)
+                next_look = time.monotonic() + _LIVENESS_POLL
             if time.monotonic() > deadline:
                 raise CheckpointError(f"checkpoint {step}: rank(s) {missing} did not report within "
                                       f"{self.timeout:g} s; every rank must call save_checkpoint with the same "
                                       f"tag and directory")
             time.sleep(_POLL)
+
+    def _check_alive(self, step: str, missing: list[int], beats: dict[int, tuple[bytes, float]]) -> None:
+        """Raise if a missing rank joined the save (it has a heartbeat) but has gone silent."""
+        now = time.monotonic()
+        for rank in missing:
+            key = f"{self.prefix}/beat/{rank}"
+            if not self.store.check([key]):
+                continue  # not writing yet (or a save without heartbeats): only the timeout applies
+            beat = self.store.get(key)
+            if rank not in beats or beats[rank][0] != beat:
+                beats[rank] = (beat, now)
+            elif now - beats[rank][1] > PEER_SILENCE_LIMIT:
+                raise CheckpointError(
+                    f"checkpoint {step}: rank {rank} stopped in the middle of the save (no heartbeat for "
+                    f"{now - beats[rank][1]:.0f} s: killed, out of memory, or hung); this checkpoint was not "
+                    f"committed and `latest` still names the previous one")
+
+
+class Heartbeat:
+    """While a rank takes part in a save, bump ``<prefix>/beat/<rank>`` every :data:`_BEAT` seconds
+    from a daemon thread, so the other ranks can tell it is alive (see :meth:`RankSync.gather`)."""
+
+    def __init__(self, sync: RankSync):
+        self.sync = sync
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> "Heartbeat":
+        if self.sync.store is not None and self.sync.world_size > 1:
+            self._beat(0)
+            self._thread = threading.Thread(target=self._run, name="zerospeed-save-heartbeat", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _beat(self, count: int) -> None:
+        self.sync.store.set(f"{self.sync.prefix}/beat/{self.sync.rank}", str(count))
+
+    def _run(self) -> None:
+        count = 0
+        while not self._stop.wait(_BEAT):
+            count += 1
+            try:
+                self._beat(count)
+            except Exception:  # a store that went away: the gathers will time out on their own
+                return
 
 
 @dataclass
@@ -80,6 +153,10 @@ class SaveJob:
     save_latest: bool
 
     def run(self) -> str:
+        with self.sync.heartbeat():
+            return self._run()
+
+    def _run(self) -> str:
         try:
             self._write_own()
         except BaseException as exc:

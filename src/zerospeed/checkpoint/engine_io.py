@@ -44,6 +44,9 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
     def watch(missing: list[int]) -> None:
         elsewhere = {r: where for r, where in comm.ranks_waiting_beyond(calls_before).items() if r in missing}
         if elsewhere:
+            # The other ranks never made this call: take it back so the next save pairs up again.
+            sync.withdraw("hello")
+            engine.return_checkpoint_call()
             raise CheckpointError(
                 f"save_checkpoint({save_dir!r}, tag={tag!r}) was called on rank {comm.rank}, but rank(s) "
                 f"{sorted(elsewhere)} went on to a collective instead ({', '.join(elsewhere.values())}). Every "

@@ -82,12 +82,34 @@ def resolve(load_dir: str, tag: str | None) -> tuple[str | None, str | None]:
             if os.path.isfile(os.path.join(load_dir, MANIFEST)):  # the tag directory itself was given
                 return os.path.basename(os.path.normpath(load_dir)), load_dir
             return None, None
+        try:
+            check_tag(tag)
+        except CheckpointError:
+            raise CheckpointError(f"{os.path.join(load_dir, LATEST)} names {tag!r}, which is not a checkpoint tag; "
+                                  f"pass tag= explicitly (tags there: {list_tags(load_dir) or 'none'})") from None
+    check_tag(tag)  # refuses '../elsewhere' and a crash's '.tmp-...' directory
     path = tag_dir(load_dir, tag)
     if path is None:
-        present = sorted(d for d in os.listdir(load_dir) if tag_dir(load_dir, d)) if os.path.isdir(load_dir) else []
+        present = list_tags(load_dir)
         raise CheckpointError(f"checkpoint tag {tag!r} not found in {load_dir} (tags there: {present or 'none'}); "
                               f"pass one of them as tag=")
     return tag, path
+
+
+def list_tags(save_dir: str) -> list[str]:
+    """The tags with a complete checkpoint in ``save_dir`` (a crash's ``.tmp-``/``.old-`` directories are
+    not tags; a tag whose overwrite was interrupted counts through its ``.old-`` directory)."""
+    if not os.path.isdir(save_dir):
+        return []
+    names = set()
+    for name in os.listdir(save_dir):
+        if name.startswith(OLD_PREFIX):
+            name = name[len(OLD_PREFIX):]
+        elif name.startswith(".") or name == LATEST:
+            continue
+        if name and tag_dir(save_dir, name):
+            names.add(name)
+    return sorted(names)
 
 
 def read_manifest(path: str) -> dict[str, Any]:
@@ -143,14 +165,28 @@ def commit_dir(tmp: str, save_dir: str, tag: str) -> str:
         fsync_dir(save_dir)
     os.rename(tmp, final)
     fsync_dir(save_dir)
+    fsync_dir(os.path.dirname(save_dir) or ".")  # a save_dir created by this save survives a power loss too
     if os.path.exists(old):
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
 def remove_stale_temporaries(save_dir: str, keep: str) -> None:
-    """Delete ``.tmp-*`` directories left by saves that crashed (never the one in progress)."""
+    """Sweep what crashed saves left (never ``keep``, the save in progress): ``.tmp-*`` directories,
+    half-written ``latest.tmp-*`` files, and ``.old-<tag>`` directories, which are deleted when the
+    tag is complete and otherwise renamed back to the tag (a crash between an overwrite's renames)."""
     for name in os.listdir(save_dir):
         path = os.path.join(save_dir, name)
-        if name.startswith(TMP_PREFIX) and os.path.isdir(path) and path != keep:
+        if path == keep:
+            continue
+        if name.startswith(TMP_PREFIX) and os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)
+        elif name.startswith(f"{LATEST}{TMP_PREFIX}") and os.path.isfile(path):
+            os.unlink(path)
+        elif name.startswith(OLD_PREFIX) and os.path.isdir(path):
+            final = os.path.join(save_dir, name[len(OLD_PREFIX):])
+            if os.path.isfile(os.path.join(final, MANIFEST)):
+                shutil.rmtree(path, ignore_errors=True)
+            elif not os.path.exists(final) and os.path.isfile(os.path.join(path, MANIFEST)):
+                os.rename(path, final)
+                fsync_dir(save_dir)
