@@ -27,6 +27,7 @@ CHUNK_BYTES = 16 * 1024 * 1024
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
 INDEX_NAME = "model.safetensors.index.json"
+_OWN_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")  # names convert writes into a directory
 
 
 def _open(checkpoint_dir: str, tag: str | None) -> CheckpointSet:
@@ -58,13 +59,15 @@ def _shape(ckpt: CheckpointSet, kind: str, name: str) -> tuple[int, ...]:
 
 def get_fp32_state_dict(checkpoint_dir: str, tag: str | None = None) -> dict[str, torch.Tensor]:
     """The model's full-precision ``state_dict`` from a checkpoint of any world size and stage
-    (DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint``). Tied parameters share one tensor."""
+    (DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint``): parameters are the fp32 masters,
+    floating buffers are cast to fp32, others kept. Tied parameters share one tensor."""
     with _open(checkpoint_dir, tag) as ckpt:
         out: dict[str, torch.Tensor] = {}
         loaded: dict[tuple[str, str], torch.Tensor] = {}
         for key, kind, name in _entries(ckpt):
             if (kind, name) not in loaded:
-                dtype = torch.float32 if kind == MASTER else ckpt.stored_dtype(kind, name)
+                stored = ckpt.stored_dtype(kind, name)  # floating buffers as fp32 too, as convert writes them
+                dtype = torch.float32 if kind == MASTER or stored.is_floating_point else stored
                 tensor = torch.empty(_shape(ckpt, kind, name), dtype=dtype)
                 ckpt.read_range(kind, name, 0, tensor.numel(), tensor)
                 loaded[(kind, name)] = tensor
@@ -155,6 +158,10 @@ def convert_checkpoint(checkpoint_dir: str, output: str, *, tag: str | None = No
             raise
         for path in written:
             os.replace(path + ".partial", path)
+        if not single:  # shards of an earlier conversion into this directory would look like part of this one
+            for name in os.listdir(folder):
+                if _OWN_FILE.fullmatch(name) and os.path.join(folder, name) not in written:
+                    os.remove(os.path.join(folder, name))
         fsync_dir(folder)
         return written
 

@@ -6,10 +6,19 @@ opposite: write many views of a few flat buffers straight from memory, in large 
 writes, and read any element range of any tensor into a caller's buffer with ``pread`` so the
 peak memory of a consolidation is one chunk. The files are plain safetensors (8-byte header
 length, JSON header, raw little-endian data) and open with ``safetensors.safe_open``.
+
+Writes go out "write-behind": every ``WRITE_PIECE`` bytes the writer asks the kernel to start
+writing that range to disk (``sync_file_range``), waits for the range ``WRITE_WINDOW`` pieces back
+and drops it from the page cache. The disk then works while later bytes are still being copied in,
+instead of everything waiting for one ``fsync`` at the end (a plain write + fsync runs the two in
+series: about half the bandwidth on this machine's disk), the dirty memory of a save stays bounded,
+and a checkpoint does not push the training's useful pages out of the page cache.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import math
 import os
@@ -26,6 +35,21 @@ DTYPE_NAMES: dict[torch.dtype, str] = {
 DTYPES: dict[str, torch.dtype] = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 _ALIGN = 8  # the header is padded so the data starts 8-byte aligned, as the reference writer does
 CHUNK_BYTES = 32 * 1024 * 1024  # reads that cast go through a buffer of at most this size
+WRITE_PIECE = 32 * 1024 * 1024  # write-behind: start writing back every this many bytes ...
+WRITE_WINDOW = 4  # ... and wait for (then drop from the page cache) the piece this many pieces back
+_SYNC_FILE_RANGE_WAIT_BEFORE, _SYNC_FILE_RANGE_WRITE, _SYNC_FILE_RANGE_WAIT_AFTER = 1, 2, 4
+
+
+@functools.lru_cache(maxsize=1)
+def _sync_file_range():
+    """libc's ``sync_file_range`` (Linux), or None where there is none."""
+    try:
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
 
 
 @dataclass(frozen=True)
@@ -81,10 +105,13 @@ class StreamingWriter:
         self.path = os.fspath(path)
         header, self.entries = build_header(entries, metadata)
         self._file = open(self.path, "wb", buffering=0)
+        self._sync_range = _sync_file_range()
+        self._kicked = 0  # file offset up to which write-back was started
+        self._in_flight: list[tuple[int, int]] = []  # (offset, length) started but not yet waited for
+        self.bytes_written = 0
         self._write_all(memoryview(header))
         self._total = self.entries[-1].end if self.entries else 0
         self._written = 0
-        self.bytes_written = len(header)
 
     def write(self, chunk: torch.Tensor) -> None:
         """Append ``chunk``'s elements (any shape; its dtype must be the current tensor's)."""
@@ -98,10 +125,10 @@ class StreamingWriter:
             data = data.cpu()
         raw = data.contiguous().view(torch.uint8).numpy()
         if self._written + raw.nbytes > expected.end:
-            raise ValueError(f"{self.path}: tensor {expected.name!r} overflows its {expected.end - expected.begin} bytes")
+            raise ValueError(f"{self.path}: tensor {expected.name!r} overflows its "
+                             f"{expected.end - expected.begin} bytes")
         self._write_all(memoryview(raw))
         self._written += raw.nbytes
-        self.bytes_written += raw.nbytes
 
     def _current_entry(self) -> TensorEntry:
         for entry in self.entries:
@@ -110,9 +137,31 @@ class StreamingWriter:
         raise ValueError(f"{self.path}: every announced tensor is already written")
 
     def _write_all(self, view: memoryview) -> None:
+        view = view.cast("B")
         while view.nbytes:
-            n = self._file.write(view)
+            n = self._file.write(view[:WRITE_PIECE])
             view = view[n:]
+            self.bytes_written += n
+            if self.bytes_written - self._kicked >= WRITE_PIECE:
+                self._write_behind()
+
+    def _write_behind(self) -> None:
+        """Start writing back what was written since the last call; wait for and drop old pieces."""
+        if self._sync_range is None:
+            return
+        fd = self._file.fileno()
+        start, length = self._kicked, self.bytes_written - self._kicked
+        if self._sync_range(fd, start, length, _SYNC_FILE_RANGE_WRITE) != 0:
+            self._sync_range = None  # e.g. a file system without it: the fsync at close does it all
+            return
+        self._kicked = self.bytes_written
+        self._in_flight.append((start, length))
+        while len(self._in_flight) > WRITE_WINDOW:
+            start, length = self._in_flight.pop(0)
+            self._sync_range(fd, start, length, _SYNC_FILE_RANGE_WAIT_BEFORE | _SYNC_FILE_RANGE_WRITE
+                             | _SYNC_FILE_RANGE_WAIT_AFTER)
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, start, length, os.POSIX_FADV_DONTNEED)
 
     def close(self, fsync: bool = True) -> None:
         if self._file.closed:
