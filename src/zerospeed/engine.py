@@ -176,17 +176,20 @@ class Engine(nn.Module):
 
     # -- checkpoints ------------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict | None = None,
-                        save_latest: bool = True, async_save: bool | None = None) -> str:
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False, *,
+                        async_save: bool | None = None) -> str:
         """Save model, optimizer, scheduler, loss scaler, counters, RNG and data position (every rank calls
         this; each writes only its own shards). ``tag`` defaults to ``global_step<N>``; the directory
         appears atomically and ``latest`` then names it. With ``async_save`` (default: the config's
         ``checkpoint.writer.decoupled``) the state is copied to CPU and written in the background; the
         next save, a load, or the end of the process waits for it. Returns the checkpoint's directory
-        (for an asynchronous save, where it will appear once committed)."""
+        (for an asynchronous save, where it will appear once committed). ``exclude_frozen_parameters``
+        leaves parameters with ``requires_grad=False`` out; loading keeps their current values."""
         from zerospeed.checkpoint.engine_io import save_checkpoint
 
         self.wait_for_checkpoint()
-        result = save_checkpoint(self, save_dir, tag, client_state, save_latest, async_save)
+        result = save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters,
+                                 async_save)
         if isinstance(result, str):
             return result
         self._pending_save = result
@@ -194,14 +197,14 @@ class Engine(nn.Module):
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False) -> tuple[str | None, Any]:
+                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[str | None, Any]:
         """Load a checkpoint written at any world size and ZeRO stage; returns ``(path, client_state)``,
         or ``(None, None)`` with a warning when ``load_dir`` holds none. ``tag=None`` loads ``latest``."""
         from zerospeed.checkpoint.engine_io import load_checkpoint
 
         self.wait_for_checkpoint()
         return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
-                               load_lr_scheduler_states, load_module_only)
+                               load_lr_scheduler_states, load_module_only, custom_load_fn)
 
     def wait_for_checkpoint(self) -> str | None:
         """Block until an asynchronous save has committed; re-raises its error. Returns its directory."""
@@ -282,9 +285,18 @@ class Engine(nn.Module):
 
 
 def _wait_at_exit(ref: "weakref.ref[Engine]") -> None:
+    """An asynchronous save still writing at exit is finished; if it failed, the process must not
+    exit 0 (an exception in an atexit handler is only printed), so it exits 1."""
     engine = ref()
-    if engine is not None and engine._pending_save is not None:
+    if engine is None or engine._pending_save is None:
+        return
+    try:
         engine.wait_for_checkpoint()
+    except Exception as exc:
+        log.error("the final asynchronous checkpoint was not saved: %s", exc)
+        for handler in log.handlers:
+            handler.flush()
+        os._exit(1)
 
 
 def reduction_policy(cfg: Config, policy: Any) -> ReductionPolicy:

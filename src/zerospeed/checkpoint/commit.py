@@ -18,6 +18,7 @@ after :data:`PEER_SILENCE_LIMIT` seconds of silence instead of the whole process
 from __future__ import annotations
 
 import datetime
+import io
 import json
 import os
 import shutil
@@ -62,14 +63,16 @@ class RankSync:
         return Heartbeat(self)
 
     def gather(self, step: str, ranks: list[int] | None = None,
-               watch: Callable[[list[int]], None] | None = None) -> dict[int, str]:
+               watch: Callable[[list[int]], None] | None = None, timeout: float | None = None,
+               hint: str = "") -> dict[int, str]:
         """Every rank's value for ``step`` (or only ``ranks``'), polling; ``watch(missing)`` may raise
-        to stop waiting early."""
+        to stop waiting early; ``timeout`` (seconds) shortens the wait, ``hint`` ends its error."""
         ranks = list(range(self.world_size)) if ranks is None else ranks
         if self.store is None:  # a single process without a store: only this rank exists
             return {self.rank: ""}
         keys = {r: f"{self.prefix}/{step}/{r}" for r in ranks}
-        deadline = time.monotonic() + self.timeout
+        limit = self.timeout if timeout is None else min(timeout, self.timeout)
+        deadline = time.monotonic() + limit
         beats: dict[int, tuple[bytes, float]] = {}  # rank -> (last heartbeat seen, when it was first seen)
         next_look = time.monotonic() + _LIVENESS_POLL
         while True:
@@ -83,8 +86,8 @@ class RankSync:
                 next_look = time.monotonic() + _LIVENESS_POLL
             if time.monotonic() > deadline:
                 raise CheckpointError(f"checkpoint {step}: rank(s) {missing} did not report within "
-                                      f"{self.timeout:g} s; every rank must call save_checkpoint with the same "
-                                      f"tag and directory")
+                                      f"{limit:g} s; every rank must call save_checkpoint with the same "
+                                      f"tag and directory{hint}")
             time.sleep(_POLL)
 
     def _check_alive(self, step: str, missing: list[int], beats: dict[int, tuple[bytes, float]]) -> None:
@@ -147,16 +150,28 @@ class SaveJob:
     tmp_dir: str
     tag: str
     payload: RankPayload
-    rank_state: dict[str, Any]
-    engine_state: dict[str, Any] | None  # rank 0: scheduler, client state
+    rank_state: bytes  # serialized on the calling thread: later changes by the caller cannot leak in
+    engine_state: bytes | None  # rank 0: scheduler, client state
     manifest: dict[str, Any] | None  # rank 0: everything but the per-rank parts
     save_latest: bool
+    lease: layout.DirLease | None = None  # keeps other saves' sweeps out of tmp_dir until done
 
     def run(self) -> str:
-        with self.sync.heartbeat():
-            return self._run()
+        try:
+            with self.sync.heartbeat():
+                return self._run()
+        finally:
+            if self.lease is not None:
+                self.lease.release()
 
     def _run(self) -> str:
+        try:
+            return self._write_and_commit()
+        finally:
+            if self.sync.rank != 0:  # done with the store for this save (rank 0, which may host it, waits)
+                self.sync.publish("ack", "done")
+
+    def _write_and_commit(self) -> str:
         try:
             self._write_own()
         except BaseException as exc:
@@ -182,9 +197,9 @@ class SaveJob:
             for _, tensor in self.payload.tensors:
                 writer.write(tensor)
         files = {name: os.path.getsize(path)}
-        files.update(_save_torch(os.path.join(self.tmp_dir, layout.rank_state(rank)), self.rank_state))
+        files.update(_write_bytes(os.path.join(self.tmp_dir, layout.rank_state(rank)), self.rank_state))
         if self.engine_state is not None:
-            files.update(_save_torch(os.path.join(self.tmp_dir, layout.ENGINE_STATE), self.engine_state))
+            files.update(_write_bytes(os.path.join(self.tmp_dir, layout.ENGINE_STATE), self.engine_state))
         fragments = [dict(f, file=name) for f in self.payload.fragments]
         index = {"files": files, "fragments": fragments, "scalars": self.payload.scalars,
                  "group_params": self.payload.group_params}
@@ -227,17 +242,36 @@ class SaveJob:
                 layout.write_file_atomic(os.path.join(self.save_dir, layout.LATEST), self.tag.encode())
         except BaseException as exc:
             self.sync.publish("committed", f"{type(exc).__name__}: {exc}")
+            self._collect_acks()
             raise
         self.sync.publish("committed", "ok")
+        self._collect_acks()
         return final
 
+    def _collect_acks(self) -> None:
+        """Wait until every rank has read the outcome: under the launcher rank 0 hosts the store, and a
+        script that ends right after a save must not take the store away from ranks still polling it."""
+        others = list(range(1, self.sync.world_size))
+        if others:
+            try:
+                self.sync.gather("ack", ranks=others)
+            except CheckpointError:  # a rank that died after the commit: the checkpoint stands
+                pass
 
-def _save_torch(path: str, obj: Any) -> dict[str, int]:
+
+def serialize(obj: Any) -> bytes:
+    """``torch.save`` into memory (on the calling thread, so the bytes are a snapshot)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _write_bytes(path: str, data: bytes) -> dict[str, int]:
     with open(path, "wb") as f:
-        torch.save(obj, f)
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    return {os.path.basename(path): os.path.getsize(path)}
+    return {os.path.basename(path): len(data)}
 
 
 class BackgroundSave:

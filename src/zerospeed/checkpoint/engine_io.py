@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from zerospeed.checkpoint import layout
-from zerospeed.checkpoint.commit import BackgroundSave, RankSync, SaveJob
+from zerospeed.checkpoint.commit import BackgroundSave, RankSync, SaveJob, serialize
 from zerospeed.checkpoint.layout import CheckpointError
 from zerospeed.checkpoint.reader import CheckpointSet
 from zerospeed.checkpoint.state_io import (collect, describe_groups, load_masters, restore_optimizer_states,
@@ -28,12 +28,18 @@ from zerospeed.checkpoint.state_io import (collect, describe_groups, load_master
 
 log = logging.getLogger("zerospeed")
 BUFFER = "buffer"
+# Ranks reach a save within moments of each other (the last step's collectives line them up); one
+# that has not arrived after this long is not coming (``if rank == 0:`` before a torch barrier).
+HANDSHAKE_TIMEOUT = 300.0
 
 
 def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: dict | None = None,
-                    save_latest: bool = True, async_save: bool | None = None) -> BackgroundSave | str:
+                    save_latest: bool = True, exclude_frozen_parameters: bool = False,
+                    async_save: bool | None = None) -> BackgroundSave | str:
     """Run one save (every rank calls it); see :meth:`zerospeed.engine.Engine.save_checkpoint`."""
     comm = engine.comm
+    if not save_dir:
+        raise ValueError("save_checkpoint: save_dir is empty; pass the directory to save into")
     tag = layout.check_tag(f"global_step{engine.global_steps}" if tag is None else tag)
     save_dir = os.path.abspath(os.fspath(save_dir))
     calls_before = comm.calls
@@ -53,7 +59,10 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
                 f"rank must call save_checkpoint (each writes its own shards); do not guard it with "
                 f"`if rank == 0`")
 
-    hellos = {r: tuple(json.loads(v)) for r, v in sync.gather("hello", watch=watch).items()}
+    hint = (f" (a rank that skipped the call, e.g. behind `if rank == 0:`, or that is still busy elsewhere: "
+            f"ranks are expected within {HANDSHAKE_TIMEOUT:g} s of each other)")
+    hellos = {r: tuple(json.loads(v)) for r, v in
+              sync.gather("hello", watch=watch, timeout=HANDSHAKE_TIMEOUT, hint=hint).items()}
     if len(set(hellos.values())) > 1:
         listing = "; ".join(f"rank {r}: tag {t!r} in {d}" for r, (t, d) in sorted(hellos.items()))
         raise CheckpointError(f"save_checkpoint was called with different tags or directories on different ranks "
@@ -65,9 +74,14 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
 
     tmp_dir = os.path.join(save_dir, f"{layout.TMP_PREFIX}{tag}-{engine.checkpoint_id[:8]}-{sync.prefix.rsplit('/', 1)[1]}")
     os.makedirs(tmp_dir, exist_ok=True)
+    lease = layout.DirLease(tmp_dir)
     if comm.rank == 0:
         layout.remove_stale_temporaries(save_dir, keep=tmp_dir)
-    payload = collect(engine.state.checkpoint_slots(for_save=True), engine.optimizer, with_optimizer=True)
+    slots = engine.state.checkpoint_slots(for_save=True)
+    if exclude_frozen_parameters:
+        frozen = {p.name for p in engine.state.checkpoint_params() if not p.trainable}
+        slots = [slot for slot in slots if slot.param not in frozen]
+    payload = collect(slots, engine.optimizer, with_optimizer=True)
     buffers = _persistent_buffers(engine.module) if comm.rank == 0 else {}
     for name, buf in buffers.items():
         payload.add(BUFFER, name, 0, buf.numel(), buf.detach().reshape(-1))
@@ -75,14 +89,15 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
         if async_save is None else bool(async_save)
     if asynchronous:
         payload = payload.snapshot()
-    rank_state = {"rng": _rng_state(), "loader": _loader_state(engine)}
+    rank_state = serialize({"rng": _rng_state(), "loader": _loader_state(engine)})
     engine_state = manifest = None
     if comm.rank == 0:
         scheduler = engine.lr_scheduler
-        engine_state = {"lr_scheduler": scheduler.state_dict() if hasattr(scheduler, "state_dict") else None,
-                        "client_state": client_state or {}}
+        engine_state = serialize({"lr_scheduler": scheduler.state_dict() if hasattr(scheduler, "state_dict") else None,
+                                  "client_state": client_state or {}})
         manifest = _manifest(engine, tag, buffers)
-    job = SaveJob(sync, save_dir, tmp_dir, tag, payload, rank_state, engine_state, manifest, save_latest)
+        manifest["excluded_frozen_parameters"] = bool(exclude_frozen_parameters)
+    job = SaveJob(sync, save_dir, tmp_dir, tag, payload, rank_state, engine_state, manifest, save_latest, lease)
     if asynchronous:
         return BackgroundSave(job)
     return job.run()
@@ -118,8 +133,12 @@ def _manifest(engine: Any, tag: str, buffers: dict[str, torch.Tensor]) -> dict[s
 
 def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_strict: bool = True,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                    load_module_only: bool = False) -> tuple[str | None, Any]:
+                    load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[str | None, Any]:
     """Load (and reshard) a checkpoint; every rank calls it. See ``Engine.load_checkpoint``."""
+    if custom_load_fn is not None:
+        raise NotImplementedError("load_checkpoint(custom_load_fn=...): zerospeed checkpoints are read by "
+                                  "parameter range; load with load_module_only=True, or read weights with "
+                                  "zerospeed.checkpoint.load_state_dict_from_checkpoint(model, dir)")
     comm = engine.comm
     load_dir = os.fspath(load_dir)
     tag, path = layout.resolve(load_dir, None if tag is None else str(tag))
@@ -134,24 +153,22 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
         return None, None
     with CheckpointSet(path) as ckpt:
         manifest = ckpt.manifest
-        _check_params(engine, ckpt, strict=load_module_strict)
-        load_masters(engine.state.checkpoint_slots(for_save=False), ckpt, strict=load_module_strict)
-        with torch.no_grad():
-            for name, buf in _persistent_buffers(engine.module).items():
-                if ckpt.has(BUFFER, name):
-                    ckpt.read_range(BUFFER, name, 0, buf.numel(), buf)
+        error: BaseException | None = None
+        engine_state: dict[str, Any] = {}
+        try:  # each rank reads different ranges: agree on the outcome before the collective refresh
+            engine_state = _load_tensors(engine, ckpt, load_module_strict,
+                                         load_optimizer_states and not load_module_only)
+        except (CheckpointError, OSError, ValueError, KeyError, RuntimeError) as exc:
+            error = exc
+        outcomes = comm.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
+        if error is not None:
+            raise error
+        failed = [f"rank {r}: {outcome}" for r, outcome in enumerate(outcomes) if outcome]
+        if failed:
+            raise CheckpointError(f"load_checkpoint failed on other ranks: {'; '.join(failed)}")
         engine.state.after_checkpoint_load()
-        engine_state = _load_torch(os.path.join(path, layout.ENGINE_STATE)) or {}
-        if load_module_only:
-            return path, engine_state.get("client_state")
-        optimizer = engine.optimizer
-        if load_optimizer_states and optimizer is not None and manifest.get("optimizer") is not None:
-            saved_class = manifest["optimizer"]["class"]
-            if saved_class != type(optimizer).__name__:
-                raise CheckpointError(f"{path} holds {saved_class} states but this engine's optimizer is "
-                                      f"{type(optimizer).__name__}; load with load_optimizer_states=False")
-            load_param_groups(optimizer, ckpt)
-            restore_optimizer_states(engine.state.checkpoint_slots(for_save=False), optimizer, ckpt)
+    if load_module_only:
+        return path, engine_state.get("client_state")
     _load_scaler(engine, manifest["loss_scaler"])
     counters = manifest["counters"]
     engine.global_steps = int(counters["global_steps"])
@@ -169,17 +186,54 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
     return path, engine_state.get("client_state")
 
 
-def _check_params(engine: Any, ckpt: CheckpointSet, *, strict: bool) -> None:
-    mine = {p.name: p for p in engine.state.checkpoint_params()}
-    aliases = ckpt.manifest.get("aliases", {})
-    wrong = [f"{name}: checkpoint {tuple(ckpt.params[name]['shape'])}, model {p.shape}"
-             for name, p in mine.items() if name in ckpt.params and tuple(ckpt.params[name]["shape"]) != p.shape]
+def _load_tensors(engine: Any, ckpt: CheckpointSet, strict: bool, with_optimizer: bool) -> dict[str, Any]:
+    """Masters, buffers and (optionally) optimizer states of this rank; returns the engine state file."""
+    manifest = ckpt.manifest
+    _check_names(engine, ckpt, strict=strict)
+    optional = ({p.name for p in engine.state.checkpoint_params() if not p.trainable}
+                if manifest.get("excluded_frozen_parameters") else set())
+    load_masters(engine.state.checkpoint_slots(for_save=False), ckpt, strict=strict, optional=optional)
+    saved_buffers = {b["name"] for b in manifest.get("buffers", [])}
+    with torch.no_grad():
+        for name, buf in _persistent_buffers(engine.module).items():
+            if name in saved_buffers:
+                ckpt.read_range(BUFFER, name, 0, buf.numel(), buf)
+    engine_state = _load_torch(os.path.join(ckpt.path, layout.ENGINE_STATE)) or {}
+    optimizer = engine.optimizer
+    if with_optimizer and optimizer is not None and manifest.get("optimizer") is not None:
+        saved_class = manifest["optimizer"]["class"]
+        if saved_class != type(optimizer).__name__:
+            raise CheckpointError(f"{ckpt.path} holds {saved_class} states but this engine's optimizer is "
+                                  f"{type(optimizer).__name__}; load with load_optimizer_states=False")
+        load_param_groups(optimizer, ckpt)
+        restore_optimizer_states(engine.state.checkpoint_slots(for_save=False), optimizer, ckpt)
+    return engine_state
+
+
+def _check_names(engine: Any, ckpt: CheckpointSet, *, strict: bool) -> None:
+    """Shapes must agree; under ``strict`` the names must too (tied aliases count, either way round)."""
+    wrong = []
+    for p in engine.state.checkpoint_params():
+        stored = ckpt.canonical(p.name)
+        if stored is not None and tuple(ckpt.params[stored]["shape"]) != p.shape:
+            wrong.append(f"{p.name}: checkpoint {tuple(ckpt.params[stored]['shape'])}, model {p.shape}")
     if wrong:
         raise CheckpointError(f"{ckpt.path}: parameter shapes differ from this model's: {'; '.join(wrong[:8])}")
-    unexpected = sorted(set(ckpt.params) - set(mine) - set(aliases))
-    if unexpected and strict:
+    if not strict:
+        return
+    model_names = {n for n, _ in engine.module.named_parameters(remove_duplicate=False)}
+    saved_names = set(ckpt.params) | set(ckpt.manifest.get("aliases", {}))
+    unexpected = sorted(saved_names - model_names)
+    if unexpected:
         raise CheckpointError(f"{ckpt.path} holds {len(unexpected)} parameter(s) this model does not have: "
                               f"{', '.join(unexpected[:8])}; load with load_module_strict=False to ignore them")
+    model_buffers = set(_persistent_buffers(engine.module))
+    saved_buffers = {b["name"] for b in ckpt.manifest.get("buffers", [])}
+    if model_buffers != saved_buffers:
+        raise CheckpointError(f"{ckpt.path}: buffers differ from this model's (missing from the checkpoint: "
+                              f"{sorted(model_buffers - saved_buffers)[:8] or 'none'}; not in the model: "
+                              f"{sorted(saved_buffers - model_buffers)[:8] or 'none'}); load with "
+                              f"load_module_strict=False to load what matches")
 
 
 def _persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -9,9 +9,11 @@ but ``.old-<tag>`` present (a crash in that instant) uses the old one.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
+import threading
 from typing import Any
 
 FORMAT = "zerospeed-checkpoint"
@@ -134,7 +136,7 @@ def read_manifest(path: str) -> dict[str, Any]:
 
 def write_file_atomic(path: str, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file, fsync and rename (readers see old or new)."""
-    tmp = f"{path}.tmp-{os.getpid()}"
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
@@ -180,7 +182,8 @@ def remove_stale_temporaries(save_dir: str, keep: str) -> None:
         if path == keep:
             continue
         if name.startswith(TMP_PREFIX) and os.path.isdir(path):
-            shutil.rmtree(path, ignore_errors=True)
+            if not _in_use(path):  # another engine's (or job's) save may still be writing there
+                shutil.rmtree(path, ignore_errors=True)
         elif name.startswith(f"{LATEST}{TMP_PREFIX}") and os.path.isfile(path):
             os.unlink(path)
         elif name.startswith(OLD_PREFIX) and os.path.isdir(path):
@@ -190,3 +193,32 @@ def remove_stale_temporaries(save_dir: str, keep: str) -> None:
             elif not os.path.exists(final) and os.path.isfile(os.path.join(path, MANIFEST)):
                 os.rename(path, final)
                 fsync_dir(save_dir)
+
+
+class DirLease:
+    """A shared ``flock`` on a directory a save is writing into, held until :meth:`release`, so a sweep
+    of stale temporaries (:func:`remove_stale_temporaries`) leaves it alone. A crashed process's
+    lease goes with it, which is what makes its leftovers sweepable."""
+
+    def __init__(self, path: str):
+        self._fd: int | None = os.open(path, os.O_RDONLY)
+        fcntl.flock(self._fd, fcntl.LOCK_SH)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _in_use(path: str) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)

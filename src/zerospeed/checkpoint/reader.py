@@ -32,19 +32,40 @@ class CheckpointSet:
         self._index = {key: sorted(frags) for key, frags in index.items()}
         self._starts = {key: [f[0] for f in frags] for key, frags in self._index.items()}
         self._readers: dict[str, SafetensorsReader] = {}
+        self._aliases: dict[str, str] = dict(self.manifest.get("aliases", {}))
+
+    def canonical(self, name: str) -> str | None:
+        """The name ``name``'s values are stored under (tied parameters are stored once, under the first
+        name the saving model gave them, which may be another name in the loading model); None if absent."""
+        if name in self.params:
+            return name
+        return self._aliases.get(name)
+
+    def _stored(self, param: str) -> str:
+        return self.canonical(param) or param
 
     def has(self, kind: str, param: str) -> bool:
-        return (kind, param) in self._index
+        return (kind, self._stored(param)) in self._index
 
     def kinds(self, param: str) -> list[str]:
-        return sorted(kind for kind, name in self._index if name == param)
+        stored = self._stored(param)
+        return sorted(kind for kind, name in self._index if name == stored)
 
     def stored_dtype(self, kind: str, param: str) -> torch.dtype:
-        _, _, file, key = self._index[(kind, param)][0]
+        frags = self._index.get((kind, self._stored(param)))
+        if not frags:  # nothing stored (an empty parameter): the manifest's dtype
+            info = self.params.get(self._stored(param))
+            if info is None:
+                raise CheckpointError(f"{self.path} has no {kind!r} values for {param!r}")
+            return torch.float32 if kind != "buffer" and info["dtype"] in ("float16", "bfloat16") else getattr(torch, info["dtype"])
+        _, _, file, key = frags[0]
         return self._reader(file).entries[key].dtype
 
     def read_range(self, kind: str, param: str, start: int, end: int, out: torch.Tensor) -> None:
         """Fill ``out`` (``end - start`` elements) with elements ``[start, end)`` of ``param``'s ``kind``."""
+        if end == start:
+            return
+        param = self._stored(param)
         frags = self._index.get((kind, param))
         if frags is None:
             raise CheckpointError(f"{self.path} has no {kind!r} values for parameter {param!r}")

@@ -196,8 +196,11 @@ class Comm:
         self.stats = CommStats()
         self._seq = 0
         self._store = (store or _default_store()) if track_arrivals else None
-        # Arrival entries already in the store belong to earlier Comms over the same ranks.
-        self._stale_arrivals = self._read_arrivals()
+        # Which Comm over these ranks under this name this is: every rank builds its Comms in the same
+        # order, so counting them in the store (per rank) gives each instance its own arrival keys and
+        # an entry written by another engine's Comm (or an earlier attempt of an elastic job) never reads
+        # as this one's.
+        self._instance = self._count_instance()
         self._reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -227,7 +230,7 @@ class Comm:
         """
         out = {}
         for group_rank, entry in self._read_arrivals().items():
-            if group_rank == self.rank or entry == self._stale_arrivals.get(group_rank):
+            if group_rank == self.rank:
                 continue
             their_seq, their_op = entry.split(" ", 1)
             if int(their_seq) > seq:
@@ -254,7 +257,16 @@ class Comm:
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def _key(self, global_rank: int) -> str:
-        return f"zerospeed/comm/{self.name}/{','.join(map(str, self.global_ranks))}/{global_rank}"
+        return f"zerospeed/comm/{self.name}/{','.join(map(str, self.global_ranks))}/{self._instance}/{global_rank}"
+
+    def _count_instance(self) -> int:
+        if self._store is None:
+            return 0
+        ranks = ",".join(map(str, self.global_ranks))
+        try:
+            return int(self._store.add(f"zerospeed/comm/{self.name}/{ranks}/instances/{self.global_ranks[self.rank]}", 1))
+        except Exception:  # a store that cannot count: arrivals are still tracked, under a shared key
+            return 0
 
     def _enter(self, op: str, nbytes: int) -> int:
         self._seq += 1
