@@ -156,6 +156,15 @@ def _one_rank(root: str) -> dict[str, Any]:
     out["tags"] = sorted(os.listdir(root))
     with open(os.path.join(root, "gen", "manifest.json")) as f:
         out["gen_params"] = [p["name"] for p in json.load(f)["params"]]
+    # Rolling back in the same process: the optimizer already has states, which are refilled in place.
+    _step(gen, 1)
+    saved = {k: v.clone() for k, v in gen.optimizer.state[gen.optimizer.param_groups[0]["params"][0]].items()}
+    gen.save_checkpoint(root, tag="roll")
+    _step(gen, 2)
+    gen.load_checkpoint(root, tag="roll")
+    now = gen.optimizer.state[gen.optimizer.param_groups[0]["params"][0]]
+    out["rollback"] = sorted(k for k in saved if not torch.equal(saved[k], now[k]))
+    out["rollback_keys"] = sorted(now)
     errors = []
     for call in (lambda: gen.save_checkpoint(""),
                  lambda: gen.load_checkpoint(root, custom_load_fn=lambda *a: None)):
@@ -172,6 +181,7 @@ def test_async_save_and_a_second_engine_in_the_same_directory(tmp_path: Any) -> 
     result = run_distributed(_one_rank, 1, str(tmp_path), pg_timeout=30, timeout=120)[0]
     assert result["client_state"] == {"step": 1, "ema": [0.0, 0.0, 0.0]}  # as it was when save returned
     assert result["tags"] == ["disc", "gen", "latest"]
+    assert result["rollback"] == [] and result["rollback_keys"] == ["exp_avg", "exp_avg_sq", "step"]
     assert result["gen_params"] == ["weight", "bias"]
     empty, custom = result["errors"]
     assert empty.startswith("ValueError") and "save_dir" in empty

@@ -133,9 +133,15 @@ def restore_optimizer_states(slots: Sequence[Slot], optimizer: torch.optim.Optim
         for kind in ckpt.kinds(param):
             if not kind.startswith(OPTIM_PREFIX):
                 continue
-            covered = sum(slot.numel for slot in group) == key_tensor.numel()  # always, for our states
-            make = torch.empty if covered else torch.zeros  # zero-filling 1 GB costs ~0.5 s of a load
-            values = make(key_tensor.numel(), dtype=ckpt.stored_dtype(kind, param), device=key_tensor.device)
+            dtype = ckpt.stored_dtype(kind, param)
+            current = optimizer.state.get(key_tensor, {}).get(kind.removeprefix(OPTIM_PREFIX))
+            if (isinstance(current, torch.Tensor) and current.dtype == dtype and current.is_contiguous()
+                    and current.numel() == key_tensor.numel() and current.device == key_tensor.device):
+                values = current.detach().view(-1)  # refilled in place: no allocation, pages already mapped
+            else:
+                covered = sum(slot.numel for slot in group) == key_tensor.numel()  # always, for our states
+                make = torch.empty if covered else torch.zeros  # zero-filling 1 GB costs ~0.5 s of a load
+                values = make(key_tensor.numel(), dtype=dtype, device=key_tensor.device)
             for slot in group:
                 ckpt.read_range(kind, param, slot.start, slot.end,
                                 values[slot.key_offset: slot.key_offset + slot.numel])
