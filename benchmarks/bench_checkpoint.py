@@ -132,18 +132,20 @@ def _bench(size_gb: float, width: int, stage: int, rounds: int, workdir: str, wi
     comm_rank = torch.distributed.get_rank()
     world = torch.distributed.get_world_size()
     model = _model(int(size_gb * 1e9 / BYTES_PER_PARAM), width)
+    n_params = sum(p.numel() for p in model.parameters())  # before ZeRO-3 empties the parameters
     config = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
               "zero_optimization": {"stage": stage}}
     engine, *_ = zerospeed.initialize(model=model, config=config)
     engine.backward(engine(torch.full((1, width), 1e-3)).sum())  # one step: AdamW states exist
     engine.step()
-    n_params = sum(p.numel() for p in model.parameters())
     ckpt = os.path.join(workdir, "ckpt")
     engine.save_checkpoint(ckpt, tag="warmup")  # warm the code paths; its size is the baseline's
     ckpt_bytes = _dir_bytes(os.path.join(ckpt, "warmup"))
-    shutil.rmtree(os.path.join(ckpt, "warmup"))
     lead = comm_rank == 0
+    torch.distributed.barrier()
+    if lead:
+        shutil.rmtree(os.path.join(ckpt, "warmup"))
     block = memoryview(bytearray(os.urandom(1 << 20)) * (WRITE_BLOCK >> 20))
     rows: dict[str, list[float]] = {}
 
