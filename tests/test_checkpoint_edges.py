@@ -67,6 +67,18 @@ def _two_ranks(root: str) -> dict[str, Any]:
     out["two_engines"] = [a.save_checkpoint(os.path.join(root, "a"), tag="t"),
                           b.save_checkpoint(os.path.join(root, "b"), tag="t"),
                           a.save_checkpoint(os.path.join(root, "a"), tag="u")]
+    # A save whose preparation fails on one rank (an optimizer state it cannot reshard) fails on every
+    # rank at once, and the next save works.
+    piece = a.optimizer.param_groups[0]["params"][0]
+    if rank == 1:
+        a.optimizer.state[piece]["odd"] = torch.zeros(2, 3)
+    try:
+        a.save_checkpoint(os.path.join(root, "odd"), tag="t")
+        out["odd"] = "saved"
+    except CheckpointError as exc:
+        out["odd"] = str(exc)
+    a.optimizer.state[piece].pop("odd", None)
+    out["after_odd"] = os.path.basename(a.save_checkpoint(os.path.join(root, "odd"), tag="t2"))
     # A load that fails on one rank only (its shard file is damaged) fails on every rank, naming it.
     path = a.save_checkpoint(os.path.join(root, "damaged"), tag="t")
     torch.distributed.barrier()
@@ -113,6 +125,12 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 def test_two_engines_on_one_group_keep_their_saves_apart(two_ranks: list[dict[str, Any]]) -> None:
     for result in two_ranks:
         assert [os.path.basename(p) for p in result["two_engines"]] == ["t", "t", "u"]
+
+
+def test_a_save_failing_on_one_rank_fails_on_all_and_the_next_works(two_ranks: list[dict[str, Any]]) -> None:
+    assert "'odd'" in two_ranks[1]["odd"] and "resharded" in two_ranks[1]["odd"]
+    assert "rank 1 could not prepare" in two_ranks[0]["odd"]
+    assert two_ranks[0]["after_odd"] == two_ranks[1]["after_odd"] == "t2"
 
 
 def test_a_load_failing_on_one_rank_fails_on_all_naming_it(two_ranks: list[dict[str, Any]]) -> None:

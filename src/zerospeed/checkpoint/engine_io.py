@@ -73,34 +73,54 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
                       f"{engine.micro_steps}): the partly accumulated gradients are not saved", stacklevel=3)
 
     tmp_dir = os.path.join(save_dir, f"{layout.TMP_PREFIX}{tag}-{engine.checkpoint_id[:8]}-{sync.prefix.rsplit('/', 1)[1]}")
-    os.makedirs(tmp_dir, exist_ok=True)
-    lease = layout.DirLease(tmp_dir)
-    if comm.rank == 0:
-        layout.remove_stale_temporaries(save_dir, keep=tmp_dir)
-    slots = engine.state.checkpoint_slots(for_save=True)
-    if exclude_frozen_parameters:
-        frozen = {p.name for p in engine.state.checkpoint_params() if not p.trainable}
-        slots = [slot for slot in slots if slot.param not in frozen]
-    payload = collect(slots, engine.optimizer, with_optimizer=True)
-    buffers = _persistent_buffers(engine.module) if comm.rank == 0 else {}
-    for name, buf in buffers.items():
-        payload.add(BUFFER, name, 0, buf.numel(), buf.detach().reshape(-1))
-    asynchronous = engine.config.checkpoint.writer is not None and engine.config.checkpoint.writer.decoupled \
-        if async_save is None else bool(async_save)
-    if asynchronous:
-        payload = payload.snapshot()
-    rank_state = serialize({"rng": _rng_state(), "loader": _loader_state(engine)})
-    engine_state = manifest = None
-    if comm.rank == 0:
-        scheduler = engine.lr_scheduler
-        engine_state = serialize({"lr_scheduler": scheduler.state_dict() if hasattr(scheduler, "state_dict") else None,
-                                  "client_state": client_state or {}})
-        manifest = _manifest(engine, tag, buffers)
-        manifest["excluded_frozen_parameters"] = bool(exclude_frozen_parameters)
-    job = SaveJob(sync, save_dir, tmp_dir, tag, payload, rank_state, engine_state, manifest, save_latest, lease)
+    try:
+        job, asynchronous = _prepare(engine, sync, save_dir, tmp_dir, tag, client_state, save_latest,
+                                     exclude_frozen_parameters, async_save)
+    except BaseException as exc:  # the peers are past the handshake: tell them, so no one waits it out
+        status = f"rank {comm.rank} could not prepare its part: {type(exc).__name__}: {exc}"
+        sync.publish("written", status)
+        sync.publish("committed" if comm.rank == 0 else "ack", status)
+        raise
     if asynchronous:
         return BackgroundSave(job)
     return job.run()
+
+
+def _prepare(engine: Any, sync: RankSync, save_dir: str, tmp_dir: str, tag: str, client_state: dict | None,
+             save_latest: bool, exclude_frozen_parameters: bool, async_save: bool | None) -> tuple[SaveJob, bool]:
+    """This rank's part of a save, ready to run: its temporary directory (leased), the fragments
+    (snapshotted for an asynchronous save), and its serialized small state."""
+    comm = engine.comm
+    os.makedirs(tmp_dir, exist_ok=True)
+    lease = layout.DirLease(tmp_dir)
+    try:
+        if comm.rank == 0:
+            layout.remove_stale_temporaries(save_dir, keep=tmp_dir)
+        slots = engine.state.checkpoint_slots(for_save=True)
+        if exclude_frozen_parameters:
+            frozen = {p.name for p in engine.state.checkpoint_params() if not p.trainable}
+            slots = [slot for slot in slots if slot.param not in frozen]
+        payload = collect(slots, engine.optimizer, with_optimizer=True)
+        buffers = _persistent_buffers(engine.module) if comm.rank == 0 else {}
+        for name, buf in buffers.items():
+            payload.add(BUFFER, name, 0, buf.numel(), buf.detach().reshape(-1))
+        writer = engine.config.checkpoint.writer
+        asynchronous = (writer is not None and writer.decoupled) if async_save is None else bool(async_save)
+        if asynchronous:
+            payload = payload.snapshot()
+        rank_state = serialize({"rng": _rng_state(), "loader": _loader_state(engine)})
+        engine_state = manifest = None
+        if comm.rank == 0:
+            scheduler = engine.lr_scheduler
+            engine_state = serialize({"lr_scheduler": scheduler.state_dict() if hasattr(scheduler, "state_dict")
+                                      else None, "client_state": client_state or {}})
+            manifest = _manifest(engine, tag, buffers)
+            manifest["excluded_frozen_parameters"] = bool(exclude_frozen_parameters)
+    except BaseException:
+        lease.release()
+        raise
+    job = SaveJob(sync, save_dir, tmp_dir, tag, payload, rank_state, engine_state, manifest, save_latest, lease)
+    return job, asynchronous
 
 
 def _manifest(engine: Any, tag: str, buffers: dict[str, torch.Tensor]) -> dict[str, Any]:
