@@ -29,11 +29,17 @@ Subcommand = Callable[[list[str]], int]
 
 
 def subcommands() -> Mapping[str, Subcommand]:
-    """Subcommands by name (``convert``; later issues add e.g. ``report``).
+    """Subcommands by name: ``convert`` (a checkpoint to safetensors), ``report`` (what this install runs).
 
     A script that happens to share a subcommand's name can still be launched as ``./name``.
     """
-    return MappingProxyType({"convert": _convert})
+    return MappingProxyType({"convert": _convert, "report": _report})
+
+
+def _report(argv: list[str]) -> int:
+    from zerospeed.report import main as report_main
+
+    return report_main(argv)
 
 
 def _convert(argv: list[str]) -> int:
