@@ -185,3 +185,20 @@ def test_report_names_the_active_path() -> None:
 
     text = "\n".join(lines())
     assert f"CPU optimizer kernels (CPUAdam, CPUAdagrad, CPULion): {native.choose('auto').name} - " in text
+
+
+def test_nothing_is_compiled_at_run_time(tmp_path: Any) -> None:
+    """With no compiler reachable (an empty PATH), the native kernels still load and step: they were
+    built when the package was installed."""
+    import subprocess
+    import sys
+
+    code = ("import torch; from zerospeed.ops.adam import CPUAdam\n"
+            "p = torch.zeros(300000, requires_grad=True); p.grad = torch.ones(300000)\n"
+            "opt = CPUAdam([p], implementation='native'); opt.step()\n"
+            "print(opt.implementation, float(p[0]))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                          env={"PATH": str(tmp_path / "no-compilers-here"), "HOME": str(tmp_path)}, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    implementation, value = proc.stdout.split()
+    assert implementation == "native" and float(value) == pytest.approx(-1e-3, rel=1e-6)
