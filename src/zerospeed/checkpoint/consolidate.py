@@ -9,6 +9,7 @@ it; ``load_state_dict_from_checkpoint`` reads straight into a model's own tensor
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import sys
@@ -17,12 +18,10 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from zerospeed.checkpoint.layout import CheckpointError, fsync_dir, resolve
+from zerospeed.checkpoint.layout import BUFFER, MASTER, CheckpointError, fsync_dir, resolve
 from zerospeed.checkpoint.reader import CheckpointSet
 from zerospeed.checkpoint.safetensors_io import StreamingWriter
-from zerospeed.checkpoint.state_io import MASTER
 
-BUFFER = "buffer"
 CHUNK_BYTES = 16 * 1024 * 1024
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
@@ -168,10 +167,7 @@ def convert_checkpoint(checkpoint_dir: str, output: str, *, tag: str | None = No
 
 def _nbytes(entry: tuple) -> int:
     _, _, _, dtype, shape = entry
-    numel = 1
-    for d in shape:
-        numel *= d
-    return numel * torch.empty(0, dtype=dtype).element_size()
+    return math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
 
 
 def _pack(tensors: list[tuple], limit: int) -> list[list[tuple]]:

@@ -21,13 +21,12 @@ import torch
 
 from zerospeed.checkpoint import layout
 from zerospeed.checkpoint.commit import BackgroundSave, RankSync, SaveJob, serialize
-from zerospeed.checkpoint.layout import CheckpointError
+from zerospeed.checkpoint.layout import BUFFER, CheckpointError
 from zerospeed.checkpoint.reader import CheckpointSet
 from zerospeed.checkpoint.state_io import (collect, describe_groups, load_masters, restore_optimizer_states,
                                            load_param_groups)
 
 log = logging.getLogger("zerospeed")
-BUFFER = "buffer"
 # Ranks reach a save within moments of each other (the last step's collectives line them up); one
 # that has not arrived after this long is not coming (``if rank == 0:`` before a torch barrier).
 HANDSHAKE_TIMEOUT = 300.0

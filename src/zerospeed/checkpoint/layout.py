@@ -22,6 +22,10 @@ MANIFEST = "manifest.json"
 LATEST = "latest"
 ENGINE_STATE = "engine_state.pt"
 TMP_PREFIX = ".tmp-"
+# What a stored fragment holds: full-precision parameter values, an optimizer state, or a buffer.
+MASTER = "master"
+OPTIM_PREFIX = "optim."
+BUFFER = "buffer"
 OLD_PREFIX = ".old-"
 
 

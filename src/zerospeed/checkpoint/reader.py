@@ -57,7 +57,7 @@ class CheckpointSet:
             info = self.params.get(self._stored(param))
             if info is None:
                 raise CheckpointError(f"{self.path} has no {kind!r} values for {param!r}")
-            return torch.float32 if kind != "buffer" and info["dtype"] in ("float16", "bfloat16") else getattr(torch, info["dtype"])
+            return torch.float32 if info["dtype"] in ("float16", "bfloat16") else getattr(torch, info["dtype"])
         _, _, file, key = frags[0]
         return self._reader(file).entries[key].dtype
 

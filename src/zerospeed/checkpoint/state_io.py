@@ -14,12 +14,10 @@ from typing import Any, Sequence
 
 import torch
 
-from zerospeed.checkpoint.layout import CheckpointError, tensor_key
+from zerospeed.checkpoint.layout import MASTER, OPTIM_PREFIX, CheckpointError, tensor_key
 from zerospeed.checkpoint.reader import CheckpointSet
 from zerospeed.sharding.slots import Slot
 
-MASTER = "master"
-OPTIM_PREFIX = "optim."
 SCALAR_KEYS = frozenset({"step"})  # per-parameter counters, never per element
 
 
