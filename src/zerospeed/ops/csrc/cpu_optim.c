@@ -10,15 +10,32 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
 
 enum { OUT_NONE = 0, OUT_BF16 = 1, OUT_FP16 = 2, OUT_FP32 = 3 };
 
 static inline uint16_t to_bf16(float value) {
+    /* round to nearest even; NaN stays a (quiet) NaN. Branch-free, so the loops vectorize it. */
     uint32_t bits;
     memcpy(&bits, &value, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* quiet NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(bits >> 16);
+    uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    uint32_t quiet_nan = (bits >> 16) | 0x40u;
+    return (uint16_t)(((bits & 0x7fffffffu) > 0x7f800000u) ? quiet_nan : rounded);
+}
+
+#define FP16_BLOCK 64
+
+/* Convert a block of floats to fp16 (round to nearest even): F16C instructions when the build
+ * machine has them (GCC does not vectorize _Float16 casts without AVX512-FP16), else scalar. */
+static inline void store_fp16(_Float16 *restrict dst, const float *restrict src, int64_t count) {
+    int64_t i = 0;
+#ifdef __F16C__
+    for (; i + 8 <= count; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; i < count; i++) dst[i] = (_Float16)src[i];
 }
 
 static inline void store_out(void *out, int kind, int64_t i, float value) {
@@ -36,8 +53,8 @@ static void adam_kernel(float *restrict p, const float *restrict g, float *restr
                         float one_minus_beta2, float eps, float weight_decay, int adamw, float decay_factor,
                         float step_size, float bias_correction2_sqrt) {
     /* 1 - beta arrive computed in double and rounded once, as torch.optim computes them */
-#define ADAM_BODY(STORE)                                                                   \
-    for (int64_t i = 0; i < n; i++) {                                                      \
+#define ADAM_RANGE(LO, HI, STORE)                                                          \
+    for (int64_t i = (LO); i < (HI); i++) {                                                \
         float grad = g[i], param = p[i];                                                   \
         if (adamw) param = param * decay_factor;                                           \
         else grad = fmaf(param, weight_decay, grad);   /* torch's add(alpha=) is an FMA */ \
@@ -52,12 +69,21 @@ static void adam_kernel(float *restrict p, const float *restrict g, float *restr
         STORE;                                                                             \
     }
     switch (kind) {
-    case OUT_BF16: { uint16_t *restrict o = out; ADAM_BODY(o[i] = to_bf16(param)) break; }
-    case OUT_FP16: { _Float16 *restrict o = out; ADAM_BODY(o[i] = (_Float16)param) break; }
-    case OUT_FP32: { float *restrict o = out; ADAM_BODY(o[i] = param) break; }
-    default: ADAM_BODY((void)0) break;
+    case OUT_BF16: { uint16_t *restrict o = out; ADAM_RANGE(0, n, o[i] = to_bf16(param)) break; }
+    case OUT_FP16: { /* blocks: the update vectorizes into a buffer, then one fp16 conversion */
+        _Float16 *restrict o = out;
+        float block[FP16_BLOCK] __attribute__((aligned(64)));
+        for (int64_t base = 0; base < n; base += FP16_BLOCK) {
+            int64_t end = base + FP16_BLOCK < n ? base + FP16_BLOCK : n;
+            ADAM_RANGE(base, end, block[i - base] = param)
+            store_fp16(o + base, block, end - base);
+        }
+        break;
     }
-#undef ADAM_BODY
+    case OUT_FP32: { float *restrict o = out; ADAM_RANGE(0, n, o[i] = param) break; }
+    default: ADAM_RANGE(0, n, (void)0) break;
+    }
+#undef ADAM_RANGE
 }
 
 /* One Adagrad step (torch.optim.Adagrad with lr_decay folded into clr by the caller). */
