@@ -153,6 +153,18 @@ def test_state_is_torchs_so_a_state_dict_moves_to_torch_adamw() -> None:
     assert DeepSpeedCPUAdam is CPUAdam
 
 
+def test_a_deep_copy_keeps_working() -> None:
+    p = torch.ones(5, requires_grad=True)
+    p.grad = torch.ones(5)
+    opt = CPUAdam([p], lr=0.1, threads=3, implementation="torch")
+    opt.step()
+    twin = copy.deepcopy(opt)
+    assert twin.implementation == "torch" and twin.threads == 3
+    twin.param_groups[0]["params"][0].grad = torch.ones(5)
+    twin.step()
+    assert float(twin.state[twin.param_groups[0]["params"][0]]["step"]) == 2.0
+
+
 def test_clear_errors() -> None:
     p = torch.zeros(4, requires_grad=True)
     with pytest.raises(ValueError, match="amsgrad"):

@@ -28,6 +28,7 @@ class CPUOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], implementation: str = "auto",
                  threads: int | None = None):
         super().__init__(params, defaults)
+        self._requested = implementation
         self.kernels: KernelChoice = choose(implementation)
         self.threads = max(int(threads or torch.get_num_threads()), 1)
         self._pool: ThreadPoolExecutor | None = None
@@ -38,12 +39,17 @@ class CPUOptimizer(torch.optim.Optimizer):
         return self.kernels.name
 
     def __getstate__(self) -> dict[str, Any]:
+        """torch's state plus how to rebuild the kernels (a module and a thread pool do not copy)."""
         state = super().__getstate__()
-        state.pop("_pool", None)
+        state.update(_requested=self._requested, threads=self.threads)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        requested, threads = state.pop("_requested", "auto"), state.pop("threads", None)
         super().__setstate__(state)
+        self._requested = requested
+        self.kernels = choose(requested)
+        self.threads = max(int(threads or torch.get_num_threads()), 1)
         self._pool = None
 
     @torch.no_grad()
