@@ -13,7 +13,7 @@ import math
 import os
 import re
 import sys
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -198,23 +198,6 @@ def _write_shard(ckpt: CheckpointSet, path: str, shard: list[tuple], chunk_bytes
 
 
 # -- 16-bit weights from a live engine -----------------------------------------------------------
-def _live_weights(engine: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every parameter's full compute-dtype value (collective under stage 3: units are gathered one at
-    a time and released again)."""
-    state = engine.state
-    units = getattr(state, "units", None)
-    if units is None:
-        yield from ((name, p.detach()) for name, p in engine.module.named_parameters())
-        return
-    for unit in units:
-        was_gathered = unit.gathered
-        unit.gather()
-        for i, slot in enumerate(unit.plan.params):
-            yield slot.name, unit.param_slice(unit.full, i)
-        if not was_gathered:
-            unit.release()
-
-
 def save_16bit_model(engine: Any, save_dir: str, save_filename: str = "pytorch_model.bin",
                      exclude_frozen_parameters: bool = False) -> bool:
     """See :meth:`zerospeed.engine.Engine.save_16bit_model`."""
@@ -222,7 +205,7 @@ def save_16bit_model(engine: Any, save_dir: str, save_filename: str = "pytorch_m
     module = engine.module
     trainable = {name for name, p in module.named_parameters() if p.requires_grad}
     weights = {}
-    for name, value in _live_weights(engine):
+    for name, value in engine.state.full_param_values():
         if rank0 and (name in trainable or not exclude_frozen_parameters):
             weights[name] = value.detach().to("cpu", copy=True)
     if rank0:

@@ -7,6 +7,8 @@ engine drives through the same calls (``begin_backward`` / ``end_backward`` / ``
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
 from torch import nn
 
@@ -122,6 +124,10 @@ class ReplicatedState:
             start, end = even_split(flat.numel(), self.comm.rank, self.comm.world_size) if for_save else (0, flat.numel())
             out.append(Slot(name, start, end, flat[start:end], master if p.requires_grad else None, start))
         return out
+
+    def full_param_values(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every parameter's value, by name (already whole here)."""
+        return ((name, p.detach()) for name, p in self.module.named_parameters())
 
     def after_checkpoint_load(self) -> None:
         """The masters were overwritten: copy them into the model and drop stale gradients."""

@@ -8,7 +8,7 @@ module (stage 3). The engine drives it exactly like :class:`ReplicatedState`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -185,6 +185,17 @@ class ShardedState:
                 out.append(Slot(piece.param, piece.start, piece.end,
                                 master[piece.shard_offset: piece.shard_offset + piece.numel], key, 0))
         return out
+
+    def full_param_values(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every parameter's whole compute-dtype value, by name (collective: stage-3 units are gathered
+        one at a time and released again; each value is valid until the next one is asked for)."""
+        for unit in self.units:
+            was_gathered = unit.gathered
+            unit.gather()
+            for i, slot in enumerate(unit.plan.params):
+                yield slot.name, unit.param_slice(unit.full, i)
+            if not was_gathered:
+                unit.release()
 
     def after_checkpoint_load(self) -> None:
         """The masters were overwritten: refresh the compute-dtype shards, re-gather the persistent
