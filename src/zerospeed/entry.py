@@ -29,7 +29,7 @@ IMPLEMENTED = frozenset({
     "prescale_gradients", "gradient_predivide_factor", "dataloader_drop_last", "bf16.check_grad_overflow",
     "zero_optimization.stage=1", "zero_optimization.stage=2", "zero_optimization.stage=3",
     "data_types.grad_accum_dtype", "checkpoint.writer", "checkpoint.tag_validation=IGNORE",
-    "checkpoint.tag_validation=FAIL",
+    "checkpoint.tag_validation=FAIL", "zero_optimization.offload_optimizer.device=cpu",
 })
 
 
@@ -79,6 +79,7 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     trainable = [p for p in model.parameters() if p.requires_grad]
     # The optimizer is made while the parameters are still whole (Adagrad makes its state at once).
     opt = _build_optimizer(optimizer, model_parameters, trainable, cfg)
+    _check_offload(cfg, opt)
     state = _model_state(model, cfg, comm, policy)
     if opt is not None:
         if state.stage > 0:
@@ -172,6 +173,21 @@ def _model_state(model: nn.Module, cfg: Config, comm: Comm, policy: Any) -> Any:
                         zero_cfg=cfg.zero_optimization, external=external_parameters(model))
 
 
+def _check_offload(cfg: Config, optimizer: torch.optim.Optimizer | None) -> None:
+    from zerospeed.ops.cpu_optimizer import CPUOptimizer
+    from zerospeed.zero.sharded import offloads_optimizer
+
+    if not offloads_optimizer(cfg.zero_optimization):
+        return
+    if int(cfg.zero_optimization.stage) == 0:
+        raise ConfigError("zero_optimization.offload_optimizer: offloading the optimizer needs ZeRO stage 1, 2 "
+                          "or 3 (it offloads this rank's shard); set zero_optimization.stage")
+    if optimizer is not None and not isinstance(optimizer, CPUOptimizer):
+        log.warning("zero_optimization.offload_optimizer: %s steps on the CPU as a plain torch optimizer, in "
+                    "several passes; zerospeed.ops.adam.CPUAdam (chosen automatically for a configured "
+                    "Adam/AdamW) does it in one", type(optimizer).__name__)
+
+
 def _build_optimizer(optimizer: Any, model_parameters: Any, trainable: list[nn.Parameter],
                      cfg: Config) -> torch.optim.Optimizer | None:
     if optimizer is not None and cfg.optimizer is not None:
@@ -183,7 +199,10 @@ def _build_optimizer(optimizer: Any, model_parameters: Any, trainable: list[nn.P
     if optimizer is None and cfg.optimizer is not None:
         from zerospeed.optim.factory import build_optimizer
 
-        optimizer = build_optimizer(cfg.optimizer, params)
+        from zerospeed.zero.sharded import offloads_optimizer
+
+        cpu = offloads_optimizer(cfg.zero_optimization) and int(cfg.zero_optimization.stage) > 0
+        optimizer = build_optimizer(cfg.optimizer, params, cpu_offload=cpu)
     return optimizer
 
 

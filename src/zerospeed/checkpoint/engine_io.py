@@ -221,12 +221,21 @@ def _load_tensors(engine: Any, ckpt: CheckpointSet, strict: bool, with_optimizer
     optimizer = engine.optimizer
     if with_optimizer and optimizer is not None and manifest.get("optimizer") is not None:
         saved_class = manifest["optimizer"]["class"]
-        if saved_class != type(optimizer).__name__:
+        if _state_family(saved_class) != _state_family(type(optimizer).__name__):
             raise CheckpointError(f"{ckpt.path} holds {saved_class} states but this engine's optimizer is "
                                   f"{type(optimizer).__name__}; load with load_optimizer_states=False")
         load_param_groups(optimizer, ckpt)
         restore_optimizer_states(engine.state.checkpoint_slots(for_save=False), optimizer, ckpt)
     return engine_state
+
+
+# Optimizers whose per-parameter state has the same keys and meaning (a run that turns CPU offload on
+# or off between save and load switches between torch's class and zerospeed's CPU one).
+_STATE_FAMILIES = {"Adam": "adam", "AdamW": "adam", "CPUAdam": "adam", "Adagrad": "adagrad", "CPUAdagrad": "adagrad"}
+
+
+def _state_family(name: str) -> str:
+    return _STATE_FAMILIES.get(name, name)
 
 
 def _check_names(engine: Any, ckpt: CheckpointSet, *, strict: bool) -> None:

@@ -35,13 +35,20 @@ UNIMPLEMENTED: tuple[str, ...] = ("OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Li
                                   "MuAdamW", "MuSGD", "Muon")
 
 
-def _adam(name: str) -> Callable[[Params, dict[str, Any]], Optimizer]:
-    """Builder for DeepSpeed's ``Adam``/``AdamW`` types (engine.get_optimizer_configuration)."""
+def _adam(name: str) -> Callable[..., Optimizer]:
+    """Builder for DeepSpeed's ``Adam``/``AdamW`` types (engine.get_optimizer_configuration); under CPU
+    offload, as in DeepSpeed, ``CPUAdam`` (one pass with the low-precision copy-out)."""
 
-    def build(params: Params, kwargs: dict[str, Any]) -> Optimizer:
+    def build(params: Params, kwargs: dict[str, Any], cpu_offload: bool = False) -> Optimizer:
         adam_w_mode = kwargs.pop("adam_w_mode", True)
         torch_adam = kwargs.pop("torch_adam", False)
         kwargs.pop("set_grad_none", None)  # torch's zero_grad() already sets grads to None
+        if cpu_offload and not torch_adam:
+            from ..ops.adam import CPUAdam
+
+            kwargs.pop("fp32_optimizer_states", None)
+            return CPUAdam(params, **{**FUSED_ADAM_DEFAULTS, **kwargs},
+                           adamw_mode=name == "AdamW" or adam_w_mode)
         kwargs.pop("fp32_optimizer_states", None)  # DeepSpeed CPU Adam only; states are fp32
         if not kwargs.pop("bias_correction", True):
             raise NotImplementedError(
@@ -75,7 +82,7 @@ OPTIMIZERS: Mapping[str, Callable[[Params, dict[str, Any]], Optimizer]] = Mappin
     "Adam": _adam("Adam"), "AdamW": _adam("AdamW"), "Adagrad": _adagrad, "Lamb": _lamb})
 
 
-def build_optimizer(cfg_optimizer: Any, params: Params) -> Optimizer | None:
+def build_optimizer(cfg_optimizer: Any, params: Params, cpu_offload: bool = False) -> Optimizer | None:
     """The configured optimizer (``cfg.optimizer``: ``.type``, ``.params``) over ``params``.
 
     ``params`` is what ``model_parameters`` holds: tensors, ``module.parameters()`` or parameter
@@ -97,6 +104,8 @@ def build_optimizer(cfg_optimizer: Any, params: Params) -> Optimizer | None:
                           "top-level gradient_clipping")
     build = OPTIMIZERS.get(name) or _torch_class(name)
     try:
+        if cpu_offload and name in ("Adam", "AdamW"):
+            return build(params, kwargs, cpu_offload=True)
         return build(params, kwargs)
     except TypeError as err:  # an argument the class does not take
         raise ConfigError(f"optimizer.params ({name}): {err}") from err

@@ -20,11 +20,12 @@ import torch
 from torch import nn
 
 from zerospeed.dist.comm import Comm, Handle
+from zerospeed.ops.cpu_optimizer import CPUOptimizer
 from zerospeed.optim.lamb import Lamb
 from zerospeed.zero.flat_param import FlatParamUnit
 
 SUPPORTED_OPTIMIZERS: tuple[type, ...] = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD,
-                                          torch.optim.Adagrad, Lamb)
+                                          torch.optim.Adagrad, Lamb, CPUOptimizer)
 
 
 def check_supported(optimizer: torch.optim.Optimizer, allow_untested: bool) -> None:
@@ -41,7 +42,9 @@ class ZeroOptimizer:
     """Masters and the wrapped optimizer for this rank's shards; see the module docstring."""
 
     def __init__(self, units: Sequence[FlatParamUnit], comm: Comm, *, master_dtype: torch.dtype,
-                 allgather_bucket_elems: int):
+                 allgather_bucket_elems: int, master_device: torch.device | None = None):
+        """``master_device``: where masters and optimizer states live (the CPU under
+        ``offload_optimizer``; default: with the shards)."""
         self.units = list(units)
         self.comm = comm
         self.allgather_bucket_elems = max(int(allgather_bucket_elems), 1)
@@ -53,7 +56,9 @@ class ZeroOptimizer:
         self._piece_range: dict[int, tuple[int, int, int]] = {}
         index = 0
         for u, unit in enumerate(self.units):
-            master = unit.shard if unit.shard.dtype == master_dtype else unit.shard.detach().to(master_dtype)
+            device = master_device or unit.shard.device
+            same = unit.shard.dtype == master_dtype and unit.shard.device == device
+            master = unit.shard if same else unit.shard.detach().to(device=device, dtype=master_dtype, copy=True)
             self.masters.append(master)
             slot_of = {slot.name: i for i, slot in enumerate(unit.plan.params)}
             for piece in unit.plan.pieces(comm.rank):
@@ -136,12 +141,14 @@ class ZeroOptimizer:
             raise RuntimeError("ZeroOptimizer.step before adopt(): no optimizer to run")
         for piece, u, offset, numel in self._grad_slices:
             grad = grad_shards[u][offset: offset + numel]
-            piece.grad = grad if grad.dtype == piece.dtype else grad.to(piece.dtype)
+            same = grad.dtype == piece.dtype and grad.device == piece.device
+            piece.grad = grad if same else grad.to(device=piece.device, dtype=piece.dtype)
         publisher = _Publisher(self.allgather_bucket_elems)
+        copy_out = self._copy_out_targets()
         if isinstance(self.optimizer, Lamb) or not any(unit.persistent for unit in self.units):
-            self.optimizer.step()
-            for unit, master in zip(self.units, self.masters):
-                publisher.publish(unit, master)
+            self._step_groups(copy_out)
+            for u, (unit, master) in enumerate(zip(self.units, self.masters)):
+                publisher.publish(unit, master, copied=copy_out is not None and u in copy_out)
         else:
             groups = self.optimizer.param_groups
             everything = [group["params"] for group in groups]
@@ -150,14 +157,44 @@ class ZeroOptimizer:
                     mine = self._unit_pieces[u]
                     for group, params in zip(groups, everything):
                         group["params"] = [p for p in params if id(p) in mine]
-                    self.optimizer.step()
-                    publisher.publish(unit, master)
+                    self._step_groups(copy_out)
+                    publisher.publish(unit, master, copied=copy_out is not None and u in copy_out)
             finally:
                 for group, params in zip(groups, everything):
                     group["params"] = params
         publisher.wait_all()
         for piece, *_ in self._grad_slices:
             piece.grad = None
+
+    def _copy_out_targets(self) -> dict[int, dict[int, torch.Tensor]] | None:
+        """For a CPU optimizer writing the compute-dtype copy in its own pass (``fp16_param_groups``):
+        unit index -> {id(piece): its slice of the unit's compute-dtype shard}, for units whose shard is
+        a separate CPU tensor of another dtype; None when the optimizer cannot do that."""
+        if not isinstance(self.optimizer, CPUOptimizer):
+            return None
+        out: dict[int, dict[int, torch.Tensor]] = {}
+        for piece, u, offset, numel in self._grad_slices:
+            unit, master = self.units[u], self.masters[u]
+            if master is unit.shard or unit.shard.device.type != "cpu":
+                continue
+            out.setdefault(u, {})[id(piece)] = unit.shard[offset: offset + numel]
+        return out
+
+    def _step_groups(self, copy_out: dict[int, dict[int, torch.Tensor]] | None) -> None:
+        if not copy_out:
+            self.optimizer.step()
+            return
+        targets = {key: view for views in copy_out.values() for key, view in views.items()}
+        scratch = {}  # pieces of units without a copy-out target still need a (discarded) slot
+        groups = []
+        for group in self.optimizer.param_groups:
+            row = []
+            for p in group["params"]:
+                if id(p) not in targets:
+                    scratch[id(p)] = torch.empty(p.numel(), dtype=torch.float32)
+                row.append(targets.get(id(p), scratch.get(id(p))))
+            groups.append(row)
+        self.optimizer.step(fp16_param_groups=groups)
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Masters (when separate from the shards) and the wrapped optimizer's state tensors."""
@@ -177,9 +214,10 @@ class _Publisher:
         self.in_flight: list[tuple[Handle, int]] = []
         self.live = 0
 
-    def publish(self, unit: FlatParamUnit, master: torch.Tensor) -> None:
+    def publish(self, unit: FlatParamUnit, master: torch.Tensor, copied: bool = False) -> None:
+        """``copied``: the optimizer already wrote the compute-dtype shard (a CPU optimizer's copy-out)."""
         with torch.no_grad():
-            if master is not unit.shard:
+            if master is not unit.shard and not copied:
                 unit.shard.copy_(master)
         if not unit.persistent:
             return

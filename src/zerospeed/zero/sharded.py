@@ -49,7 +49,8 @@ class ShardedState:
                                   policy=reduction, overlap=overlap,
                                   max_in_flight_elems=int(zero_cfg.reduce_bucket_size))
         self.zero_optimizer = ZeroOptimizer(self.units, comm, master_dtype=master_dtype,
-                                            allgather_bucket_elems=int(zero_cfg.allgather_bucket_size))
+                                            allgather_bucket_elems=int(zero_cfg.allgather_bucket_size),
+                                            master_device=master_device(zero_cfg))
         self.coordinator: ParamCoordinator | None = None
         if stage == 3:
             policy = PrefetchPolicy(prefetch_elems=int(zero_cfg.prefetch_bucket_size),
@@ -223,6 +224,16 @@ class ShardedState:
                     p.data = unit.param_slice(unit.full, i).clone()
                     if getattr(p, OWNER, None) is not None:
                         delattr(p, OWNER)
+
+
+def master_device(zero_cfg: Any) -> torch.device | None:
+    """Where fp32 masters and optimizer states live: CPU memory under ``offload_optimizer.device: cpu``,
+    else with the shards."""
+    return torch.device("cpu") if offloads_optimizer(zero_cfg) else None
+
+
+def offloads_optimizer(zero_cfg: Any) -> bool:
+    return str(getattr(zero_cfg.offload_optimizer.device, "value", zero_cfg.offload_optimizer.device)) == "cpu"
 
 
 class UnitParamRef:
