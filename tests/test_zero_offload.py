@@ -48,13 +48,11 @@ def _train(stage: int, offload: bool, bf16: bool) -> dict[str, Any]:
         engine.step()
         losses.append(loss.item())
     masters = [zerospeed.utils.safe_get_full_fp32_param(p).reshape(-1) for p in engine.module.parameters()]
-    model = [zerospeed.utils.safe_get_full_fp32_param(p) for p in engine.module.parameters()]
     params = []
     for p in engine.module.parameters():  # the compute-dtype values the model computes with
         unit, index = p._zerospeed_owner.unit, p._zerospeed_owner.index
         unit.gather()
         params.append(unit.param_slice(unit.full, index).float().reshape(-1))
-    del model
     return {"losses": losses, "masters": torch.cat(masters).tolist(), "params": torch.cat(params).tolist(),
             "optimizer": type(optimizer).__name__}
 

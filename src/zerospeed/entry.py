@@ -78,8 +78,10 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     _broadcast_from_rank0(model, comm)
     trainable = [p for p in model.parameters() if p.requires_grad]
     # The optimizer is made while the parameters are still whole (Adagrad makes its state at once).
-    opt = _build_optimizer(optimizer, model_parameters, trainable, cfg)
-    _check_offload(cfg, opt)
+    offload = _optimizer_offload(cfg)
+    opt = _build_optimizer(optimizer, model_parameters, trainable, cfg, cpu_offload=offload)
+    if offload:
+        _warn_if_slow_on_cpu(opt)
     state = _model_state(model, cfg, comm, policy)
     if opt is not None:
         if state.stage > 0:
@@ -173,15 +175,21 @@ def _model_state(model: nn.Module, cfg: Config, comm: Comm, policy: Any) -> Any:
                         zero_cfg=cfg.zero_optimization, external=external_parameters(model))
 
 
-def _check_offload(cfg: Config, optimizer: torch.optim.Optimizer | None) -> None:
-    from zerospeed.ops.cpu_optimizer import CPUOptimizer
+def _optimizer_offload(cfg: Config) -> bool:
+    """Whether the optimizer is offloaded to the CPU (refused at stage 0, which has no shard to offload)."""
     from zerospeed.zero.sharded import offloads_optimizer
 
     if not offloads_optimizer(cfg.zero_optimization):
-        return
+        return False
     if int(cfg.zero_optimization.stage) == 0:
         raise ConfigError("zero_optimization.offload_optimizer: offloading the optimizer needs ZeRO stage 1, 2 "
                           "or 3 (it offloads this rank's shard); set zero_optimization.stage")
+    return True
+
+
+def _warn_if_slow_on_cpu(optimizer: torch.optim.Optimizer | None) -> None:
+    from zerospeed.ops.cpu_optimizer import CPUOptimizer
+
     if optimizer is not None and not isinstance(optimizer, CPUOptimizer):
         log.warning("zero_optimization.offload_optimizer: %s steps on the CPU as a plain torch optimizer, in "
                     "several passes; zerospeed.ops.adam.CPUAdam (chosen automatically for a configured "
@@ -189,7 +197,7 @@ def _check_offload(cfg: Config, optimizer: torch.optim.Optimizer | None) -> None
 
 
 def _build_optimizer(optimizer: Any, model_parameters: Any, trainable: list[nn.Parameter],
-                     cfg: Config) -> torch.optim.Optimizer | None:
+                     cfg: Config, cpu_offload: bool = False) -> torch.optim.Optimizer | None:
     if optimizer is not None and cfg.optimizer is not None:
         raise ValueError("an optimizer was passed to initialize and the config has an \"optimizer\" section; "
                          "keep one of them")
@@ -199,10 +207,7 @@ def _build_optimizer(optimizer: Any, model_parameters: Any, trainable: list[nn.P
     if optimizer is None and cfg.optimizer is not None:
         from zerospeed.optim.factory import build_optimizer
 
-        from zerospeed.zero.sharded import offloads_optimizer
-
-        cpu = offloads_optimizer(cfg.zero_optimization) and int(cfg.zero_optimization.stage) > 0
-        optimizer = build_optimizer(cfg.optimizer, params, cpu_offload=cpu)
+        optimizer = build_optimizer(cfg.optimizer, params, cpu_offload=cpu_offload)
     return optimizer
 
 

@@ -12,8 +12,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from zerospeed.sharding.slots import ParamInfo, Slot, even_split
 from zerospeed.dist.comm import Comm
+from zerospeed.sharding.slots import ParamInfo, Slot, even_split
 from zerospeed.zero.flat_param import OWNER
 from zerospeed.zero.grads import GradBuckets, ReductionPolicy
 from zerospeed.zero.memory import storage_bytes

@@ -13,9 +13,10 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from zerospeed.sharding.slots import ParamInfo, Slot
+from zerospeed.config.values import OffloadDevice
 from zerospeed.dist.comm import Comm
 from zerospeed.sharding.plan import ShardPlan
+from zerospeed.sharding.slots import ParamInfo, Slot
 from zerospeed.zero.flat_param import OWNER, FlatParamUnit, shape_of
 from zerospeed.zero.grads import ReductionPolicy
 from zerospeed.zero.layout import UnitSpec, build_units, module_users
@@ -233,7 +234,7 @@ def master_device(zero_cfg: Any) -> torch.device | None:
 
 
 def offloads_optimizer(zero_cfg: Any) -> bool:
-    return str(getattr(zero_cfg.offload_optimizer.device, "value", zero_cfg.offload_optimizer.device)) == "cpu"
+    return zero_cfg.offload_optimizer.device == OffloadDevice.CPU
 
 
 class UnitParamRef:
