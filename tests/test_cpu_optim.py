@@ -179,7 +179,7 @@ def test_clear_errors() -> None:
         opt.step(fp16_param_groups=[[torch.empty(3, dtype=torch.bfloat16)]])
     half = torch.zeros(4, dtype=torch.bfloat16, requires_grad=True)
     half.grad = torch.zeros(4, dtype=torch.bfloat16)
-    with pytest.raises(TypeError, match="contiguous fp32 CPU tensors; this parameter is torch.bfloat16"):
+    with pytest.raises(TypeError, match="contiguous fp32 tensors; this parameter is torch.bfloat16"):
         CPUAdam([half]).step()
 
 

@@ -1,9 +1,12 @@
-"""ZeRO-Offload of the optimizer (``offload_optimizer.device: cpu``) against the same run without it.
+"""ZeRO-Offload (``offload_optimizer`` / ``offload_param``: cpu) against the same run without it.
 
-Stages 1-3 on 2 and 3 ranks with gradient accumulation and clipping: the configured AdamW becomes
-``CPUAdam`` on fp32 masters in CPU memory, and losses and parameters must equal the run without
-offload to 1e-6 (fp32). In bf16 the CPU optimizer writes the bf16 shards in its own pass: the model's
-parameters must be exactly the masters rounded to bf16.
+Stages 1-3 on 2 and 3 ranks with gradient accumulation: the configured AdamW becomes ``CPUAdam`` on
+fp32 masters in CPU memory, and losses and parameters must equal the run without offload to 1e-6
+(fp32). Variants: with clipping (the step runs after backward); stage 3 with the parameter shards
+offloaded too; stage 3 with ``ratio: 0.5`` (half the optimizer stays on the device); and without
+clipping in small sub-groups, where the step overlaps backward (and must still be exact). In bf16
+the CPU optimizer writes the bf16 shards in its own pass: the model's parameters must be exactly the
+masters rounded to bf16.
 """
 
 from __future__ import annotations
@@ -19,6 +22,14 @@ from zerospeed.config import ConfigError
 from zerospeed.testing import run_distributed
 
 STEPS = 4
+OFFLOAD = {"device": "cpu"}
+# (name, stages, gradient_clipping, zero_optimization entries of the offloaded run)
+VARIANTS = [
+    ("optimizer", (1, 2, 3), 0.05, {"offload_optimizer": OFFLOAD}),
+    ("optimizer+param", (3,), 0.05, {"offload_optimizer": OFFLOAD, "offload_param": OFFLOAD}),
+    ("ratio 0.5", (3,), 0.05, {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}),
+    ("overlapped", (1, 2, 3), 0.0, {"offload_optimizer": OFFLOAD, "sub_group_size": 100}),
+]
 
 
 def _model() -> nn.Module:
@@ -26,18 +37,18 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(12, 24), nn.GELU(), nn.Linear(24, 24), nn.GELU(), nn.Linear(24, 5))
 
 
-def _config(stage: int, offload: bool, bf16: bool) -> dict[str, Any]:
-    zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": 200, "stage3_param_persistence_threshold": 10}
-    if offload:
-        zero["offload_optimizer"] = {"device": "cpu"}
+def _config(stage: int, bf16: bool, clip: float = 0.05, zero_extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": 200, "stage3_param_persistence_threshold": 10,
+                            **(zero_extra or {})}
     return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10**9,
-            "gradient_clipping": 0.05, "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
+            "gradient_clipping": clip, "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
             "bf16": {"enabled": bf16}, "zero_optimization": zero}
 
 
-def _train(stage: int, offload: bool, bf16: bool) -> dict[str, Any]:
+def _train(config: dict[str, Any]) -> dict[str, Any]:
     rank = torch.distributed.get_rank()
-    engine, optimizer, *_ = zerospeed.initialize(model=_model(), config=_config(stage, offload, bf16))
+    bf16 = config["bf16"]["enabled"]
+    engine, optimizer, *_ = zerospeed.initialize(model=_model(), config=config)
     losses = []
     for step in range(STEPS * 2):
         g = torch.Generator().manual_seed(100 * step + rank)
@@ -53,27 +64,41 @@ def _train(stage: int, offload: bool, bf16: bool) -> dict[str, Any]:
         unit, index = p._zerospeed_owner.unit, p._zerospeed_owner.index
         unit.gather()
         params.append(unit.param_slice(unit.full, index).float().reshape(-1))
+    state = engine.state
+    breakdown = engine.memory_breakdown()
+    tiers = [tier.name for tier in state.zero_optimizer.tiers]
     return {"losses": losses, "masters": torch.cat(masters).tolist(), "params": torch.cat(params).tolist(),
-            "optimizer": type(optimizer).__name__}
+            "optimizer": type(optimizer).__name__, "early_jobs": state.eager.jobs_run,
+            "offloaded_elems": sum(u.plan.shard_numel for u, t in zip(state.units, tiers) if t == "cpu"),
+            "elems": sum(u.plan.shard_numel for u in state.units),
+            "param_tiers": sorted({"cpu" if u.shard.device.type == "cpu" and not u.persistent else "device"
+                                   for u in state.units}),
+            "param_tier": state.store.params.name,
+            "offloaded_bytes": breakdown["offloaded"], "state_bytes": breakdown["optimizer_states"]}
 
 
 def _compare() -> list[dict[str, Any]]:
     out = []
-    for stage in (1, 2, 3):
-        for bf16 in (False, True):
-            plain = _train(stage, False, bf16)
-            offloaded = _train(stage, True, bf16)
-            out.append({"stage": stage, "bf16": bf16, "plain": plain, "offloaded": offloaded})
+    for name, stages, clip, extra in VARIANTS:
+        for stage in stages:
+            for bf16 in (False, True):
+                plain, offloaded = _config(stage, bf16, clip), _config(stage, bf16, clip, extra)
+                if name == "overlapped":  # bf16's overflow check (on by default) must see every gradient first
+                    plain["bf16"]["check_grad_overflow"] = offloaded["bf16"]["check_grad_overflow"] = False
+                plain, offloaded = _train(plain), _train(offloaded)
+                out.append({"variant": name, "stage": stage, "bf16": bf16, "plain": plain, "offloaded": offloaded})
     return out
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_offloaded_optimizer_matches_the_run_without(world: int) -> None:
-    results = run_distributed(_compare, world, timeout=240)
+    results = run_distributed(_compare, world, timeout=400)
+    assert len(results[0]) == 2 * (3 + 1 + 1 + 3)
     for case in results[0]:
         plain, offloaded = case["plain"], case["offloaded"]
-        what = f"stage {case['stage']} {'bf16' if case['bf16'] else 'fp32'} on {world} ranks"
+        what = f"{case['variant']}: stage {case['stage']} {'bf16' if case['bf16'] else 'fp32'} on {world} ranks"
         assert plain["optimizer"] == "AdamW" and offloaded["optimizer"] == "CPUAdam", what
+        assert plain["early_jobs"] == 0, what
         masters_plain, masters_off = torch.tensor(plain["masters"]), torch.tensor(offloaded["masters"])
         scale = masters_plain.abs().max().item()
         if not case["bf16"]:
@@ -85,11 +110,31 @@ def test_offloaded_optimizer_matches_the_run_without(world: int) -> None:
             # the bf16 parameters the CPU optimizer wrote are exactly its masters rounded.
             torch.testing.assert_close(masters_off, masters_plain, rtol=1e-3, atol=1e-3 * scale, msg=what)
             assert torch.equal(torch.tensor(offloaded["params"]), masters_off.bfloat16().float()), what
+        # where the state lived (and what memory_breakdown says), and whether the step overlapped backward
+        assert plain["offloaded_bytes"] == 0, what
+        if case["variant"] == "ratio 0.5":
+            share = offloaded["offloaded_elems"] / offloaded["elems"]
+            assert 0.2 < share < 0.8, (what, share)
+            assert 0 < offloaded["offloaded_bytes"] < offloaded["state_bytes"], what
+        else:
+            assert offloaded["offloaded_elems"] == offloaded["elems"], what
+            extra = offloaded["offloaded_bytes"] - offloaded["state_bytes"]  # stage-3 shards of offload_param
+            assert extra > 0 if case["variant"] == "optimizer+param" else extra == 0, (what, extra)
+        assert offloaded["param_tier"] == ("cpu" if case["variant"] == "optimizer+param" else "device"), what
+        early = offloaded["early_jobs"]
+        if case["variant"] != "overlapped":
+            assert early == 0, what
+        elif case["bf16"] or case["stage"] == 3:
+            # two or more sub-group jobs per window, so all but the last started while backward ran;
+            # fp32 stages 1-2 update the computed shards in place, which must wait for backward's end
+            assert early >= 2 * STEPS, (what, early)
+        else:
+            assert early == 0, what
 
 
 def _stage0_offload() -> str:
     try:
-        zerospeed.initialize(model=_model(), config=_config(0, True, False))
+        zerospeed.initialize(model=_model(), config=_config(0, False, zero_extra={"offload_optimizer": OFFLOAD}))
     except ConfigError as exc:
         return str(exc)
     return "no error"
@@ -102,7 +147,7 @@ def test_offload_needs_a_zero_stage() -> None:
 
 def _offload_round_trip(root: str) -> list[float]:
     """Save with the optimizer offloaded (CPUAdam), load without offload (AdamW): states carry over."""
-    engine, *_ = zerospeed.initialize(model=_model(), config=_config(2, True, False))
+    engine, *_ = zerospeed.initialize(model=_model(), config=_config(2, False, zero_extra={"offload_optimizer": OFFLOAD}))
     for step in range(2):
         x = torch.randn(2, 12, generator=torch.Generator().manual_seed(step))
         engine.backward(engine(x).pow(2).mean())
@@ -111,7 +156,7 @@ def _offload_round_trip(root: str) -> list[float]:
         engine.step()
     engine.save_checkpoint(root, tag="t")
     saved = zerospeed.utils.safe_get_full_optimizer_state(next(engine.module.parameters()), "exp_avg_sq")
-    plain, *_ = zerospeed.initialize(model=_model(), config=_config(1, False, False))
+    plain, *_ = zerospeed.initialize(model=_model(), config=_config(1, False))
     plain.load_checkpoint(root, tag="t")
     loaded = zerospeed.utils.safe_get_full_optimizer_state(next(plain.module.parameters()), "exp_avg_sq")
     return [float((saved - loaded).abs().max()), float(saved.abs().max())]

@@ -30,6 +30,7 @@ IMPLEMENTED = frozenset({
     "zero_optimization.stage=1", "zero_optimization.stage=2", "zero_optimization.stage=3",
     "data_types.grad_accum_dtype", "checkpoint.writer", "checkpoint.tag_validation=IGNORE",
     "checkpoint.tag_validation=FAIL", "zero_optimization.offload_optimizer.device=cpu",
+    "zero_optimization.offload_optimizer.ratio", "zero_optimization.offload_param.device=cpu",
 })
 
 
@@ -98,6 +99,8 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     _ensure_log_handler()
     if comm.rank == 0:
         log.info("zerospeed config (resolved, every default in force):\n%s", cfg.to_json())
+        if offload or state.stage == 3 and cfg.zero_optimization.offload_param.enabled:
+            log.info("offload: %s", state.describe_offload())
     return engine, opt, loader, sched
 
 
@@ -168,11 +171,19 @@ def _model_state(model: nn.Module, cfg: Config, comm: Comm, policy: Any) -> Any:
                 p.data = owner.take_full().to(p.dtype)
                 delattr(p, OWNER)
         return _replicated(model, cfg, comm, policy)
+    from zerospeed.offload.store import StateStore
+    from zerospeed.zero.eager import StepOverlap
     from zerospeed.zero.sharded import ShardedState
 
+    zero = cfg.zero_optimization
+    device = next(model.parameters()).device
+    store = StateStore.from_config(zero, device, get_accelerator())
+    overlap = StepOverlap.decide(offloaded=store.offloads_optimizer, clipping=float(cfg.gradient_clipping),
+                                 loss_scaled=policy.loss_scaling is not None, overflow_checked=policy.check_overflow,
+                                 sub_group_size=int(zero.sub_group_size))
     return ShardedState(model, comm, stage=stage, master_dtype=policy.master_dtype,
                         accum_dtype=policy.grad_accum_dtype, reduction=reduction_policy(cfg, policy),
-                        zero_cfg=cfg.zero_optimization, external=external_parameters(model))
+                        zero_cfg=zero, external=external_parameters(model), store=store, overlap_step=overlap)
 
 
 def _optimizer_offload(cfg: Config) -> bool:

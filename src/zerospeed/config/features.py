@@ -44,8 +44,9 @@ def _zero_features(cfg: Config) -> list[str]:
     opt, par = zero.offload_optimizer, zero.offload_param
     if opt.device != OffloadDevice.NONE:
         out.append(f"zero_optimization.offload_optimizer.device={_value(opt.device)}")
-        out += _flags("zero_optimization.offload_optimizer", opt,
-                      ("pipeline_read", "pipeline_write", "fast_init", "super_offload"))
+        # the pipelining and fast-init knobs only concern NVMe (DeepSpeed ignores them for the CPU)
+        nvme_only = ("pipeline_read", "pipeline_write", "fast_init") if opt.device == OffloadDevice.NVME else ()
+        out += _flags("zero_optimization.offload_optimizer", opt, nvme_only + ("super_offload",))
         if opt.ratio < 1.0:
             out.append("zero_optimization.offload_optimizer.ratio")
     if par.device != OffloadDevice.NONE and stage3:

@@ -38,7 +38,7 @@ class CPUAdagrad(CPUOptimizer):
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
         clr = lr / (1 + (step - 1) * group["lr_decay"])
         total = state["sum"]
-        native = self.kernels.module
+        native = self._native(param)
         if native is not None:
             kind = out_kind(out)
 

@@ -54,7 +54,7 @@ class CPUAdam(CPUOptimizer):
         adamw = bool(group.get("adamw_mode", True))
         decay = 1 - lr * wd if adamw else 1.0
         m, v = state["exp_avg"], state["exp_avg_sq"]
-        native = self.kernels.module
+        native = self._native(param)
         if native is not None:
             kind = out_kind(out)
 

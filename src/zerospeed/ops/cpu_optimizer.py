@@ -100,20 +100,26 @@ class CPUOptimizer(torch.optim.Optimizer):
             out.append(tensors)
         return out
 
+    def _native(self, param: torch.Tensor) -> Any:
+        """The native kernels for a CPU tensor; None (the PyTorch path) for one on an accelerator
+        (with ``offload_optimizer.ratio < 1`` some masters stay on the compute device)."""
+        return self.kernels.module if param.device.type == "cpu" else None
+
     @staticmethod
     def _check(param: torch.Tensor, out: torch.Tensor | None) -> None:
         grad = param.grad
         assert grad is not None
         for what, tensor in (("parameter", param), ("gradient", grad)):
-            if tensor.dtype != torch.float32 or tensor.device.type != "cpu" or not tensor.is_contiguous():
-                raise TypeError(f"CPU optimizers update contiguous fp32 CPU tensors; this {what} is "
+            if tensor.dtype != torch.float32 or tensor.device != param.device or not tensor.is_contiguous():
+                raise TypeError(f"CPU optimizers update contiguous fp32 tensors; this {what} is "
                                 f"{tensor.dtype} on {tensor.device}{'' if tensor.is_contiguous() else ', not contiguous'}"
                                 f" (keep fp32 masters on the CPU; pass low-precision copies as fp16_param_groups)")
         if out is not None:
-            if out.dtype not in OUT_KINDS or out.device.type != "cpu" or not out.is_contiguous() \
+            if out.dtype not in OUT_KINDS or out.device != param.device or not out.is_contiguous() \
                     or out.numel() != param.numel():
-                raise TypeError(f"fp16_param_groups: a copy-out target must be a contiguous CPU bf16/fp16/fp32 tensor "
-                                f"of {param.numel()} elements, got {out.dtype} on {out.device} with {out.numel()}")
+                raise TypeError(f"fp16_param_groups: a copy-out target must be a contiguous bf16/fp16/fp32 tensor "
+                                f"of {param.numel()} elements on the parameter's device ({param.device}), got "
+                                f"{out.dtype} on {out.device} with {out.numel()}")
 
     def _run(self, numel: int, kernel: Callable[[int, int], None]) -> None:
         """Call ``kernel(start, end)`` over ``[0, numel)``: in chunks on the pool when large enough."""

@@ -36,7 +36,7 @@ class CPULion(CPUOptimizer):
         lr, (beta1, beta2), wd = group["lr"], group["betas"], group["weight_decay"]
         decay = 1 - lr * wd
         m = state["exp_avg"]
-        native = self.kernels.module
+        native = self._native(param)
         if native is not None:
             kind = out_kind(out)
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from zerospeed.dist.comm import Comm, Handle
+from zerospeed.offload.store import Tier
 from zerospeed.sharding.flat import FlatUnit
 from zerospeed.sharding.plan import UnitPlan
 
@@ -43,8 +44,11 @@ def shape_of(param: torch.Tensor) -> tuple[int, ...]:
 class FlatParamUnit:
     """The parameters of one unit, flat; see the module docstring."""
 
-    def __init__(self, plan: UnitPlan, params: list[nn.Parameter], comm: Comm, *, persistent: bool):
-        """Parameters partitioned by ``zero.Init`` are gathered one at a time to fill the unit."""
+    def __init__(self, plan: UnitPlan, params: list[nn.Parameter], comm: Comm, *, persistent: bool,
+                 shard_tier: Tier | None = None):
+        """Parameters partitioned by ``zero.Init`` are gathered one at a time to fill the unit.
+        ``shard_tier``: where a non-persistent unit keeps its shard between uses (``offload_param``;
+        default: the parameters' device). A persistent unit's shard is always a view of ``full``."""
         if len(params) != len(plan.params):
             raise ValueError(f"unit {plan.name!r}: {len(params)} parameters for a plan of {len(plan.params)}")
         dtypes = {p.dtype for p in params}
@@ -64,7 +68,13 @@ class FlatParamUnit:
         with torch.no_grad():
             for view, p in zip(self._views, params):
                 view.copy_(full_values(p).reshape(view.shape))
-        self.shard = flat.shard(comm.rank) if persistent else flat.shard(comm.rank).clone()
+        own = flat.shard(comm.rank)
+        if persistent:
+            self.shard = own
+        else:
+            placed = shard_tier.place(own) if shard_tier is not None else own
+            self.shard = placed.clone() if placed is own else placed
+        self._staged: torch.Tensor | None = None  # the shard's copy on the compute device, while gathering
         self._empty = torch.empty(0, dtype=self.dtype, device=device)
         for p, view in zip(params, self._views):
             p.data = view
@@ -104,7 +114,10 @@ class FlatParamUnit:
         for p, view in zip(self.params, self._views):
             p.data = view
         self._gathered = True
-        self._pending = self.comm.all_gather(self.full, self.shard, async_op=True)
+        source = self.shard
+        if source.device != self.full.device:  # offloaded shard: to the device first (async from pinned)
+            source = self._staged = source.to(self.full.device, non_blocking=True)
+        self._pending = self.comm.all_gather(self.full, source, async_op=True)
         if not async_op:
             self.wait()
 
@@ -112,6 +125,7 @@ class FlatParamUnit:
         if self._pending is not None:
             handle, self._pending = self._pending, None
             handle.wait()
+            self._staged = None
 
     def publish_shard(self, async_op: bool = True) -> Handle | None:
         """After an update of ``shard``: all-gather it into ``full`` (persistent units; others are

@@ -14,12 +14,14 @@ whole-parameter norms: the pieces' squared norms are summed across ranks (one sm
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import torch
 from torch import nn
 
 from zerospeed.dist.comm import Comm, Handle
+from zerospeed.offload.store import StateStore, Tier
 from zerospeed.ops.cpu_optimizer import CPUOptimizer
 from zerospeed.optim.lamb import Lamb
 from zerospeed.zero.flat_param import FlatParamUnit
@@ -42,9 +44,9 @@ class ZeroOptimizer:
     """Masters and the wrapped optimizer for this rank's shards; see the module docstring."""
 
     def __init__(self, units: Sequence[FlatParamUnit], comm: Comm, *, master_dtype: torch.dtype,
-                 allgather_bucket_elems: int, master_device: torch.device | None = None):
-        """``master_device``: where masters and optimizer states live (the CPU under
-        ``offload_optimizer``; default: with the shards)."""
+                 allgather_bucket_elems: int, store: StateStore | None = None):
+        """``store``: where masters and optimizer states live (CPU memory under ``offload_optimizer``,
+        for all units or, with ``ratio < 1``, the later ones); default: with the shards."""
         self.units = list(units)
         self.comm = comm
         self.allgather_bucket_elems = max(int(allgather_bucket_elems), 1)
@@ -55,10 +57,11 @@ class ZeroOptimizer:
         # id(piece) -> its [start, end) in its parameter, and the parameter's numel
         self._piece_range: dict[int, tuple[int, int, int]] = {}
         index = 0
+        sizes = [unit.plan.shard_numel for unit in self.units]
+        self.tiers: list[Tier] = (store.optimizer_tiers(sizes) if store is not None
+                                  else [Tier("device", unit.shard.device) for unit in self.units])
         for u, unit in enumerate(self.units):
-            device = master_device or unit.shard.device
-            same = unit.shard.dtype == master_dtype and unit.shard.device == device
-            master = unit.shard if same else unit.shard.detach().to(device=device, dtype=master_dtype, copy=True)
+            master = self.tiers[u].place(unit.shard, master_dtype)
             self.masters.append(master)
             slot_of = {slot.name: i for i, slot in enumerate(unit.plan.params)}
             for piece in unit.plan.pieces(comm.rank):
@@ -78,6 +81,9 @@ class ZeroOptimizer:
         self._unit_pieces = [{id(piece) for piece, u, *_ in self._grad_slices if u == unit_index}
                              for unit_index in range(len(self.units))]
         self.optimizer: torch.optim.Optimizer | None = None
+        # seconds of the last step: the update on the calling thread, casting and gathering the
+        # shards; and the updates run by step_units (early, on a worker) since the last step
+        self.times = {"update": 0.0, "publish": 0.0, "early_update": 0.0}
 
     # -- wiring -----------------------------------------------------------------------------
     def adopt(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -130,71 +136,105 @@ class ZeroOptimizer:
         return list(self._grad_slices)
 
     # -- step -------------------------------------------------------------------------------
-    def step(self, grad_shards: Sequence[torch.Tensor]) -> None:
+    def step(self, grad_shards: Sequence[torch.Tensor], done: frozenset[int] | set[int] = frozenset(),
+             copied: frozenset[int] | set[int] = frozenset()) -> None:
         """Update the pieces from the (unscaled, clipped) gradient shards, then publish the shards.
 
-        When shards must be all-gathered afterwards (stages 1-2), the update runs unit by unit and
-        each unit's all-gather goes out as soon as that unit is updated, overlapping the rest of the
-        step (Lamb, whose step is one collective pass over every group, updates all units at once).
+        ``done``: units already updated this window (stepped early, during backward; see
+        :mod:`zerospeed.zero.eager`), of which ``copied`` already have their compute-dtype shard
+        written. When shards must be all-gathered afterwards (stages 1-2), the update runs unit by
+        unit and each unit's all-gather goes out as soon as that unit is updated, overlapping the
+        rest of the step (Lamb, whose step is one collective pass over every group, updates all
+        units at once).
         """
         if self.optimizer is None:
             raise RuntimeError("ZeroOptimizer.step before adopt(): no optimizer to run")
-        for piece, u, offset, numel in self._grad_slices:
-            grad = grad_shards[u][offset: offset + numel]
-            same = grad.dtype == piece.dtype and grad.device == piece.device
-            piece.grad = grad if same else grad.to(device=piece.device, dtype=piece.dtype)
-        publisher = _Publisher(self.allgather_bucket_elems)
-        copy_out = self._copy_out_targets()
-        if isinstance(self.optimizer, Lamb) or not any(unit.persistent for unit in self.units):
-            self._step_groups(copy_out)
-            for u, (unit, master) in enumerate(zip(self.units, self.masters)):
-                publisher.publish(unit, master, copied=copy_out is not None and u in copy_out)
-        else:
-            groups = self.optimizer.param_groups
-            everything = [group["params"] for group in groups]
-            try:
+        todo = [u for u in range(len(self.units)) if u not in done]
+        self._attach_grads({u: grad_shards[u] for u in todo})
+        publisher = _Publisher(self.allgather_bucket_elems, self.times)
+        self.times.update(update=0.0, publish=0.0)
+        copy_out = self.copy_out_targets(todo)
+        copied = set(copied) | set(copy_out or {})
+        try:
+            if isinstance(self.optimizer, Lamb) or not any(unit.persistent for unit in self.units):
+                self.times["update"] += self._step_groups(copy_out)
                 for u, (unit, master) in enumerate(zip(self.units, self.masters)):
-                    mine = self._unit_pieces[u]
+                    publisher.publish(unit, master, copied=u in copied)
+            else:
+                groups = self.optimizer.param_groups
+                everything = [group["params"] for group in groups]
+                try:
+                    for u, (unit, master) in enumerate(zip(self.units, self.masters)):
+                        if u not in done:
+                            mine = self._unit_pieces[u]
+                            for group, params in zip(groups, everything):
+                                group["params"] = [p for p in params if id(p) in mine]
+                            self.times["update"] += self._step_groups(copy_out)
+                        publisher.publish(unit, master, copied=u in copied)
+                finally:
                     for group, params in zip(groups, everything):
-                        group["params"] = [p for p in params if id(p) in mine]
-                    self._step_groups(copy_out)
-                    publisher.publish(unit, master, copied=copy_out is not None and u in copy_out)
-            finally:
-                for group, params in zip(groups, everything):
-                    group["params"] = params
-        publisher.wait_all()
-        for piece, *_ in self._grad_slices:
-            piece.grad = None
+                        group["params"] = params
+            publisher.wait_all()
+        finally:
+            self._detach_grads(todo)
 
-    def _copy_out_targets(self) -> dict[int, dict[int, torch.Tensor]] | None:
+    def step_units(self, units: Sequence[int], grads: dict[int, torch.Tensor],
+                   copy_out: dict[int, dict[int, torch.Tensor]] | None) -> None:
+        """Update only the pieces of ``units`` (an early sub-group step; no publishing, no collective)."""
+        assert self.optimizer is not None
+        self._attach_grads(grads)
+        try:
+            self.times["early_update"] += self._step_groups(copy_out)
+        finally:
+            self._detach_grads(units)
+
+    def may_step_early(self) -> list[bool]:
+        """Per unit: may it be updated while backward still runs? Not when its master is the very
+        shard the model computes with (a persistent unit without a separate master)."""
+        return [not (unit.persistent and master is unit.shard) for unit, master in zip(self.units, self.masters)]
+
+    def _attach_grads(self, grads: dict[int, torch.Tensor]) -> None:
+        for piece, u, offset, numel in self._grad_slices:
+            if u in grads:
+                grad = grads[u][offset: offset + numel]
+                same = grad.dtype == piece.dtype and grad.device == piece.device
+                piece.grad = grad if same else grad.to(device=piece.device, dtype=piece.dtype)
+
+    def _detach_grads(self, units: Sequence[int]) -> None:
+        wanted = set(units)
+        for piece, u, *_ in self._grad_slices:
+            if u in wanted:
+                piece.grad = None
+
+    def copy_out_targets(self, units: Sequence[int], early: bool = False) -> dict[int, dict[int, torch.Tensor]] | None:
         """For a CPU optimizer writing the compute-dtype copy in its own pass (``fp16_param_groups``):
-        unit index -> {id(piece): its slice of the unit's compute-dtype shard}, for units whose shard is
-        a separate CPU tensor of another dtype; None when the optimizer cannot do that."""
+        unit index -> {id(piece): its slice of the unit's compute-dtype shard}, for those of ``units``
+        whose shard is a separate CPU tensor (and, ``early``, not one the model computes with); None
+        when the optimizer cannot do that."""
         if not isinstance(self.optimizer, CPUOptimizer):
             return None
+        wanted = set(units)
         out: dict[int, dict[int, torch.Tensor]] = {}
         for piece, u, offset, numel in self._grad_slices:
             unit, master = self.units[u], self.masters[u]
-            if master is unit.shard or unit.shard.device.type != "cpu":
+            if u not in wanted or master is unit.shard or unit.shard.device.type != "cpu" \
+                    or master.device.type != "cpu" or (early and unit.persistent):
                 continue
             out.setdefault(u, {})[id(piece)] = unit.shard[offset: offset + numel]
         return out
 
-    def _step_groups(self, copy_out: dict[int, dict[int, torch.Tensor]] | None) -> None:
+    def _step_groups(self, copy_out: dict[int, dict[int, torch.Tensor]] | None) -> float:
+        """Step every piece that has a gradient (pieces without one are skipped by the optimizer);
+        returns the seconds it took."""
+        assert self.optimizer is not None
+        start = time.perf_counter()
         if not copy_out:
             self.optimizer.step()
-            return
-        targets = {key: view for views in copy_out.values() for key, view in views.items()}
-        scratch = {}  # pieces of units without a copy-out target still need a (discarded) slot
-        groups = []
-        for group in self.optimizer.param_groups:
-            row = []
-            for p in group["params"]:
-                if id(p) not in targets:
-                    scratch[id(p)] = torch.empty(p.numel(), dtype=torch.float32)
-                row.append(targets.get(id(p), scratch.get(id(p))))
-            groups.append(row)
-        self.optimizer.step(fp16_param_groups=groups)
+        else:
+            targets = {key: view for views in copy_out.values() for key, view in views.items()}
+            self.optimizer.step(fp16_param_groups=[[targets.get(id(p)) for p in group["params"]]
+                                                   for group in self.optimizer.param_groups])
+        return time.perf_counter() - start
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Masters (when separate from the shards) and the wrapped optimizer's state tensors."""
@@ -209,13 +249,21 @@ class _Publisher:
     """Casts updated masters into the compute-dtype shards and all-gathers persistent units, keeping
     at most ``allgather_bucket_size`` elements in flight."""
 
-    def __init__(self, bucket_elems: int):
+    def __init__(self, bucket_elems: int, times: dict[str, float]):
         self.bucket_elems = bucket_elems
         self.in_flight: list[tuple[Handle, int]] = []
         self.live = 0
+        self.times = times  # "publish" accumulates the seconds spent here
 
     def publish(self, unit: FlatParamUnit, master: torch.Tensor, copied: bool = False) -> None:
         """``copied``: the optimizer already wrote the compute-dtype shard (a CPU optimizer's copy-out)."""
+        start = time.perf_counter()
+        try:
+            self._publish(unit, master, copied)
+        finally:
+            self.times["publish"] += time.perf_counter() - start
+
+    def _publish(self, unit: FlatParamUnit, master: torch.Tensor, copied: bool) -> None:
         with torch.no_grad():
             if master is not unit.shard and not copied:
                 unit.shard.copy_(master)
@@ -231,6 +279,8 @@ class _Publisher:
         self.live += unit.numel
 
     def wait_all(self) -> None:
+        start = time.perf_counter()
         for handle, _ in self.in_flight:
             handle.wait()
         self.in_flight, self.live = [], 0
+        self.times["publish"] += time.perf_counter() - start

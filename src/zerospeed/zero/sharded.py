@@ -8,6 +8,7 @@ module (stage 3). The engine drives it exactly like :class:`ReplicatedState`.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Iterator
 
 import torch
@@ -15,12 +16,15 @@ from torch import nn
 
 from zerospeed.config.values import OffloadDevice
 from zerospeed.dist.comm import Comm
+from zerospeed.offload.store import StateStore
 from zerospeed.sharding.plan import ShardPlan
 from zerospeed.sharding.slots import ParamInfo, Slot
 from zerospeed.zero.flat_param import OWNER, FlatParamUnit, shape_of
 from zerospeed.zero.grads import ReductionPolicy
 from zerospeed.zero.layout import UnitSpec, build_units, module_users
 from zerospeed.zero.memory import storage_bytes
+from zerospeed.optim.lamb import Lamb
+from zerospeed.zero.eager import EagerSteps, StepOverlap
 from zerospeed.zero.optimizer import ZeroOptimizer
 from zerospeed.zero.params import ParamCoordinator, PrefetchPolicy
 from zerospeed.zero.sharded_grads import GradSharding, ShardedGrads
@@ -31,7 +35,10 @@ class ShardedState:
 
     def __init__(self, model: nn.Module, comm: Comm, *, stage: int, master_dtype: torch.dtype,
                  accum_dtype: torch.dtype, reduction: ReductionPolicy, zero_cfg: Any,
-                 external: dict[int, list[nn.Parameter]] | None = None):
+                 external: dict[int, list[nn.Parameter]] | None = None, store: StateStore | None = None,
+                 overlap_step: StepOverlap | None = None):
+        """``store``: where state lives (default: all on the parameters' device); ``overlap_step``:
+        whether the (offloaded) optimizer step may overlap backward (default: no)."""
         if stage not in (1, 2, 3):
             raise ValueError(f"ShardedState is for ZeRO stages 1-3, got {stage}")
         self.stage = stage
@@ -43,7 +50,10 @@ class ShardedState:
         self.specs = specs
         self.plan = ShardPlan.build([(s.name, [(n, shape_of(p)) for n, p in zip(s.param_names, s.params)])
                                      for s in specs], comm.world_size)
-        self.units = [FlatParamUnit(plan, list(spec.params), comm, persistent=stage < 3 or spec.persistent)
+        device = next(iter(p for spec in specs for p in spec.params)).device if specs else torch.device("cpu")
+        self.store = store if store is not None else StateStore.on_device(device)
+        self.units = [FlatParamUnit(plan, list(spec.params), comm, persistent=stage < 3 or spec.persistent,
+                                    shard_tier=self.store.params)
                       for plan, spec in zip(self.plan.units, specs)]
         overlap = zero_cfg.overlap_comm is not False  # DeepSpeed's None: on where it matters
         self.grads = ShardedGrads(self.units, comm, GradSharding.for_stage(stage), accum_dtype=accum_dtype,
@@ -51,7 +61,13 @@ class ShardedState:
                                   max_in_flight_elems=int(zero_cfg.reduce_bucket_size))
         self.zero_optimizer = ZeroOptimizer(self.units, comm, master_dtype=master_dtype,
                                             allgather_bucket_elems=int(zero_cfg.allgather_bucket_size),
-                                            master_device=master_device(zero_cfg))
+                                            store=self.store)
+        self.eager = EagerSteps(self.zero_optimizer, overlap_step or StepOverlap(False, 1, "not requested"),
+                                grad_of=lambda u: self.grads.units[u].shard)
+        self.grads.on_final_shard = self.eager.ready
+        # seconds of the last step (for benchmarks): updates run early during backward, how long the
+        # step then waited for them, the update at the step, and casting/gathering the shards
+        self.last_step_times: dict[str, float] = {}
         self.coordinator: ParamCoordinator | None = None
         if stage == 3:
             policy = PrefetchPolicy(prefetch_elems=int(zero_cfg.prefetch_bucket_size),
@@ -70,6 +86,13 @@ class ShardedState:
 
     def adopt(self, optimizer: torch.optim.Optimizer) -> None:
         self.zero_optimizer.adopt(optimizer)
+        if isinstance(optimizer, Lamb) and self.eager.overlap.enabled:
+            self.eager.overlap = self.eager.overlap.without("Lamb's trust ratio needs whole-parameter norms from "
+                                                            "every rank, so the step runs after backward")
+
+    def describe_offload(self) -> str:
+        """Where state lives and when the optimizer steps, in one line (logged at initialize)."""
+        return f"{self.store.describe()}; optimizer step: {self.eager.overlap.reason}"
 
     # -- backward ---------------------------------------------------------------------------
     def begin_backward(self, reduce: bool) -> None:
@@ -77,6 +100,8 @@ class ShardedState:
 
     def end_backward(self) -> None:
         self.grads.end_backward()
+        if self.grads.final:
+            self.eager.flush()  # the last sub-group starts now, while the engine goes on into step()
         if self.coordinator is not None:
             self.coordinator.end_backward()
 
@@ -96,9 +121,17 @@ class ShardedState:
         return total[0]
 
     def apply(self) -> None:
-        self.zero_optimizer.step(self.grads.shards())
+        start = time.perf_counter()
+        done, copied = self.eager.drain()
+        waited = time.perf_counter() - start
+        self.zero_optimizer.step(self.grads.shards(), done=done, copied=copied)
+        times = self.zero_optimizer.times
+        self.last_step_times = {"early_update": times["early_update"], "early_wait": waited,
+                                "update": times["update"], "publish": times["publish"]}
+        times["early_update"] = 0.0
 
     def zero(self) -> None:
+        self.eager.drain()  # only non-empty when a window ends without step() (its update is kept)
         self.grads.zero()
 
     # -- queries ----------------------------------------------------------------------------
@@ -168,7 +201,21 @@ class ShardedState:
         states = storage_bytes(self.zero_optimizer.state_tensors(), exclude=resident)
         buffers = gathered + storage_bytes(grad_transient, exclude=grad_state)
         return {"params": params, "grads": grads, "optimizer_states": states,
-                "total": params + grads + states, "buffers": buffers}
+                "total": params + grads + states, "buffers": buffers, "offloaded": self._offloaded_bytes()}
+
+    def _offloaded_bytes(self) -> int:
+        """Bytes of the above held in an offload tier (CPU memory) rather than with the computation."""
+        zopt, compute = self.zero_optimizer, self.store.compute
+        held = [m for m, unit, tier in zip(zopt.masters, self.units, zopt.tiers)
+                if tier != compute and m is not unit.shard]
+        if zopt.optimizer is not None:
+            for piece, u, *_ in zopt.pieces():
+                if zopt.tiers[u] != compute:
+                    held += [v for v in zopt.optimizer.state.get(piece, {}).values()
+                             if isinstance(v, torch.Tensor) and v.numel() > 1]
+        if self.store.offloads_params:
+            held += [unit.shard for unit in self.units if not unit.persistent]
+        return storage_bytes(held)
 
     # -- checkpoints -------------------------------------------------------------------------
     def checkpoint_params(self) -> list[ParamInfo]:
@@ -212,6 +259,7 @@ class ShardedState:
 
     def remove_hooks(self) -> None:
         self.grads.remove_hooks()
+        self.eager.close()
         if self.coordinator is not None:
             self.coordinator.remove_hooks()
 
@@ -225,12 +273,6 @@ class ShardedState:
                     p.data = unit.param_slice(unit.full, i).clone()
                     if getattr(p, OWNER, None) is not None:
                         delattr(p, OWNER)
-
-
-def master_device(zero_cfg: Any) -> torch.device | None:
-    """Where fp32 masters and optimizer states live: CPU memory under ``offload_optimizer.device: cpu``,
-    else with the shards."""
-    return torch.device("cpu") if offloads_optimizer(zero_cfg) else None
 
 
 def offloads_optimizer(zero_cfg: Any) -> bool:

@@ -17,7 +17,7 @@ The two ways of doing it differ only in the :class:`GradSharding` value:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -40,7 +40,8 @@ class GradSharding:
 
 
 class _UnitGrads:
-    def __init__(self, unit: FlatParamUnit, dtype: torch.dtype, keep_full: bool):
+    def __init__(self, index: int, unit: FlatParamUnit, dtype: torch.dtype, keep_full: bool):
+        self.index = index
         self.unit = unit
         self.plan = unit.plan
         self.dtype = dtype
@@ -108,7 +109,7 @@ class ShardedGrads:
         self._pool = _BufferPool(keep=3)
         self.sharding = sharding
         self.policy = policy
-        self.units = [_UnitGrads(u, accum_dtype, sharding.keep_full) for u in units]
+        self.units = [_UnitGrads(i, u, accum_dtype, sharding.keep_full) for i, u in enumerate(units)]
         self._where: dict[int, tuple[int, int]] = {}
         self._hooks = []
         for u, unit in enumerate(units):
@@ -124,6 +125,9 @@ class ShardedGrads:
         self._relaid = False
         self._next = 0
         self.reducing = False  # set by begin_backward: this backward's gradients are reduced
+        self.final = False  # this backward is the window's last: a completed reduction is the final shard
+        # called with a unit's index when its shard is final (the early optimizer step listens)
+        self.on_final_shard: Callable[[int], None] | None = None
         self._window_reduced = False  # stage 1: the window's accumulators have been reduced
 
     # -- backward ---------------------------------------------------------------------------
@@ -135,6 +139,7 @@ class ShardedGrads:
                                "its gradients were already sent for averaging; call backward once per "
                                "micro-batch (add the losses first)")
         self.reducing = reduce or not self.sharding.keep_full
+        self.final = reduce
         self._next = 0
         for g in self.units:
             g.received.clear()
@@ -212,6 +217,8 @@ class ShardedGrads:
             self._pool.give(g.acc)
             g.acc = None  # the full gradient is freed as soon as it is reduced
         g.handle = g.wire = None
+        if self.final and self.on_final_shard is not None:
+            self.on_final_shard(g.index)
 
     def end_backward(self) -> None:
         """After backward: reduce what is left (in order) and wait, when this backward reduces."""
@@ -232,7 +239,7 @@ class ShardedGrads:
     def finish(self) -> None:
         """At the step: reduce a stage-1 window whose last backward ran inside ``no_sync()``."""
         if self.sharding.keep_full and not self._window_reduced:
-            self.reducing = True
+            self.reducing = self.final = True
             self._next = 0
             self.end_backward()
 
@@ -250,6 +257,7 @@ class ShardedGrads:
 
     def zero(self) -> None:
         """Start a new accumulation window."""
+        self.final = False
         while self._in_flight:  # only after an error mid-backward
             self._complete(self._in_flight.pop(0))
         self._window_reduced = False

@@ -1,0 +1,120 @@
+"""The offloaded optimizer step, overlapped with backward: sub-groups step as their gradients become final.
+
+On the last micro-batch of a window, a unit's gradient shard is final as soon as its reduction has
+completed. When nothing global has to be known before the update — no clipping (the global norm),
+no fp16 loss scaling (unscale and the overflow check) and no optimizer that needs whole-parameter
+norms (Lamb) — this rank's pieces of those units can be updated right away, on a worker thread, while
+backward goes on with earlier layers. Units are collected into sub-groups of about
+``sub_group_size`` shard elements (DeepSpeed's knob) and each sub-group is one job; ``engine.step()``
+waits for the jobs, steps whatever is left and publishes.
+
+The update is therefore committed when the window's last backward ends (``engine.step()`` then only
+finishes it). A unit whose shard *is* what the model computes with (a persistent unit whose master is
+the shard itself) is never updated early: its values may still be read by the rest of backward.
+The low-precision copy of an early-updated unit is written in the same pass only where the shard is
+separate from the computed parameters (stage 3); otherwise ``step()`` copies it when publishing.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+if TYPE_CHECKING:
+    from zerospeed.zero.optimizer import ZeroOptimizer
+
+
+@dataclass(frozen=True)
+class StepOverlap:
+    """Whether the optimizer step may overlap backward, and why (or why not)."""
+
+    enabled: bool
+    sub_group_elems: int
+    reason: str
+
+    @classmethod
+    def decide(cls, *, offloaded: bool, clipping: float, loss_scaled: bool, overflow_checked: bool,
+               sub_group_size: int) -> "StepOverlap":
+        elems = max(int(sub_group_size), 1)
+        if not offloaded:
+            return cls(False, elems, "the optimizer is not offloaded (it steps after backward)")
+        if clipping > 0:
+            return cls(False, elems, f"gradient_clipping={clipping} needs the global gradient norm before any "
+                                     f"update, so the step runs after backward")
+        if loss_scaled:
+            return cls(False, elems, "fp16 loss scaling must unscale and check every gradient before a step may "
+                                     "be applied or skipped, so the step runs after backward")
+        if overflow_checked:
+            return cls(False, elems, "bf16.check_grad_overflow (on by default) must see every gradient before a "
+                                     "step may be applied or skipped; set it to false to overlap the step")
+        return cls(True, elems, f"sub-groups of {elems:,} elements step while backward runs")
+
+    def without(self, reason: str) -> "StepOverlap":
+        return replace(self, enabled=False, reason=reason)
+
+
+class EagerSteps:
+    """Runs sub-group steps of a :class:`ZeroOptimizer` on one worker thread during backward."""
+
+    def __init__(self, optimizer: "ZeroOptimizer", overlap: StepOverlap,
+                 grad_of: Callable[[int], torch.Tensor]):
+        """``grad_of(u)``: unit ``u``'s final gradient shard."""
+        self.optimizer = optimizer
+        self.overlap = overlap
+        self.grad_of = grad_of
+        self.eligible = optimizer.may_step_early()
+        self._pending: list[int] = []
+        self._pending_elems = 0
+        self._jobs: list[Future] = []
+        self._executor: ThreadPoolExecutor | None = None
+        self.stepped: set[int] = set()  # units updated early in this window
+        self.copied: set[int] = set()  # ...whose low-precision shard was written in the same pass
+        self.jobs_run = 0  # sub-group jobs started during backward, over the run (for tests and reports)
+
+    def ready(self, unit_index: int) -> None:
+        """Unit ``unit_index``'s gradient shard is final for this window."""
+        if not self.overlap.enabled or not self.eligible[unit_index] or unit_index in self.stepped:
+            return
+        self._pending.append(unit_index)
+        self._pending_elems += self.optimizer.units[unit_index].plan.shard_numel
+        if self._pending_elems >= self.overlap.sub_group_elems:
+            self.flush()
+
+    def flush(self) -> None:
+        """Start the pending units as one sub-group (end of backward: whatever is left)."""
+        if not self._pending:
+            return
+        units, self._pending, self._pending_elems = self._pending, [], 0
+        grads = {u: self.grad_of(u) for u in units}
+        copy_out = self.optimizer.copy_out_targets(units, early=True)
+        self.stepped.update(units)
+        self.copied.update(copy_out or {})
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerospeed-eager-step")
+        self._jobs.append(self._executor.submit(self.optimizer.step_units, units, grads, copy_out))
+        self.jobs_run += 1
+
+    def drain(self) -> tuple[set[int], set[int]]:
+        """Wait for every job of this window; ``(units stepped, units whose shard was written)``.
+        A job's error is raised here, after all jobs have ended."""
+        self._pending, self._pending_elems = [], 0
+        jobs, self._jobs = self._jobs, []
+        errors = []
+        for job in jobs:
+            try:
+                job.result()
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, once every job ended
+                errors.append(exc)
+        stepped, copied = self.stepped, self.copied
+        self.stepped, self.copied = set(), set()
+        if errors:
+            raise errors[0]
+        return stepped, copied
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
