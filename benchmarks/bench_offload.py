@@ -71,7 +71,9 @@ def run_rank(name: str, spec: dict, sub_group: int, steps: int, warmup: int) -> 
 
     import zerospeed
 
-    logging.getLogger("zerospeed").setLevel(logging.WARNING)
+    quiet = logging.StreamHandler()  # warnings still show; the resolved-config dump (INFO) does not
+    quiet.setLevel(logging.WARNING)
+    logging.getLogger("zerospeed").addHandler(quiet)
     rank = torch.distributed.get_rank()
     engine, optimizer, _, _ = zerospeed.initialize(model=gb.build_model(spec), config=_config(name, spec, sub_group))
     x, y = gb.make_batch(spec, rank)

@@ -74,7 +74,8 @@ def _train(config: dict[str, Any]) -> dict[str, Any]:
             "param_tiers": sorted({"cpu" if u.shard.device.type == "cpu" and not u.persistent else "device"
                                    for u in state.units}),
             "param_tier": state.store.params.name,
-            "offloaded_bytes": breakdown["offloaded"], "state_bytes": breakdown["optimizer_states"]}
+            "offloaded_bytes": breakdown["offloaded"], "state_bytes": breakdown["optimizer_states"],
+            "grad_bytes": breakdown["grads"]}
 
 
 def _compare() -> list[dict[str, Any]]:
@@ -115,10 +116,12 @@ def test_offloaded_optimizer_matches_the_run_without(world: int) -> None:
         if case["variant"] == "ratio 0.5":
             share = offloaded["offloaded_elems"] / offloaded["elems"]
             assert 0.2 < share < 0.8, (what, share)
-            assert 0 < offloaded["offloaded_bytes"] < offloaded["state_bytes"], what
+            assert 0 < offloaded["offloaded_bytes"] < offloaded["state_bytes"] + offloaded["grad_bytes"], what
         else:
             assert offloaded["offloaded_elems"] == offloaded["elems"], what
-            extra = offloaded["offloaded_bytes"] - offloaded["state_bytes"]  # stage-3 shards of offload_param
+            # masters and states, the gradient shards of stages 2-3, and the stage-3 shards of offload_param
+            grads = offloaded["grad_bytes"] if case["stage"] >= 2 else 0
+            extra = offloaded["offloaded_bytes"] - offloaded["state_bytes"] - grads
             assert extra > 0 if case["variant"] == "optimizer+param" else extra == 0, (what, extra)
         assert offloaded["param_tier"] == ("cpu" if case["variant"] == "optimizer+param" else "device"), what
         early = offloaded["early_jobs"]

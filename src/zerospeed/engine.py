@@ -134,7 +134,8 @@ class Engine(nn.Module):
             for flat in grads:
                 flat.div_(self.scaler.loss_scale)
         # One number answers both questions: the global norm is finite iff no rank has an inf/nan.
-        local = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32)
+        # (offloaded gradient shards may live on another device than the rest: one device for the stack)
+        local = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32).to(grads[0].device)
                                                       for g in grads]))
         norm = float(self.state.sum_over_ranks(local.double().square()).sqrt())
         overflow = self.policy.check_overflow and not math.isfinite(norm)

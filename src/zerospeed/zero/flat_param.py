@@ -137,8 +137,9 @@ class FlatParamUnit:
     def gather_shard_values(self, shard_values: torch.Tensor) -> torch.Tensor:
         """All-gather a shard-sized tensor laid out like this unit (grads, masters, optimizer states)
         into a full padded one (collective)."""
-        out = torch.empty(self.plan.padded_numel, dtype=shard_values.dtype, device=shard_values.device)
-        self.comm.all_gather(out, shard_values.contiguous())
+        device = self.full.device  # collectives run on the compute device, wherever the values live
+        out = torch.empty(self.plan.padded_numel, dtype=shard_values.dtype, device=device)
+        self.comm.all_gather(out, shard_values.to(device).contiguous())
         return out
 
     def param_slice(self, flat: torch.Tensor, index: int) -> torch.Tensor:

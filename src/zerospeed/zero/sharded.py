@@ -58,7 +58,8 @@ class ShardedState:
         overlap = zero_cfg.overlap_comm is not False  # DeepSpeed's None: on where it matters
         self.grads = ShardedGrads(self.units, comm, GradSharding.for_stage(stage), accum_dtype=accum_dtype,
                                   policy=reduction, overlap=overlap,
-                                  max_in_flight_elems=int(zero_cfg.reduce_bucket_size))
+                                  max_in_flight_elems=int(zero_cfg.reduce_bucket_size),
+                                  shard_tiers=self.store.optimizer_tiers([p.shard_numel for p in self.plan.units]))
         self.zero_optimizer = ZeroOptimizer(self.units, comm, master_dtype=master_dtype,
                                             allgather_bucket_elems=int(zero_cfg.allgather_bucket_size),
                                             store=self.store)
@@ -116,7 +117,7 @@ class ShardedState:
         return self.grads.shards()
 
     def sum_over_ranks(self, local: torch.Tensor) -> torch.Tensor:
-        total = local.detach().to(torch.float64).reshape(1).clone()
+        total = local.detach().to(device=self.store.compute.device, dtype=torch.float64).reshape(1).clone()
         self.comm.all_reduce(total)
         return total[0]
 
@@ -160,8 +161,8 @@ class ShardedState:
 
     def full_optimizer_state(self, unit_index: int, index: int, key: str) -> torch.Tensor | None:
         unit = self.units[unit_index]
-        shard = torch.zeros(unit.plan.shard_numel, dtype=torch.float32, device=unit.shard.device)
-        found = torch.zeros(1, device=unit.shard.device)
+        shard = torch.zeros(unit.plan.shard_numel, dtype=torch.float32, device=unit.full.device)
+        found = torch.zeros(1, device=unit.full.device)  # collectives run on the compute device
         optimizer = self.zero_optimizer.optimizer
         for piece, u, offset, numel in self.zero_optimizer.pieces():
             value = optimizer.state.get(piece, {}).get(key) if optimizer is not None else None
@@ -215,6 +216,8 @@ class ShardedState:
                              if isinstance(v, torch.Tensor) and v.numel() > 1]
         if self.store.offloads_params:
             held += [unit.shard for unit in self.units if not unit.persistent]
+        if not self.grads.sharding.keep_full:  # stages 2-3 keep gradient shards in the optimizer's tier
+            held += [g.shard for g, tier in zip(self.grads.units, zopt.tiers) if tier != compute]
         return storage_bytes(held)
 
     # -- checkpoints -------------------------------------------------------------------------

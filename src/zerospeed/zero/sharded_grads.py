@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 import torch
 
 from zerospeed.dist.comm import Comm, Handle
+from zerospeed.offload.store import Tier
 from zerospeed.zero.flat_param import FlatParamUnit
 from zerospeed.zero.grads import ReductionPolicy
 
@@ -40,7 +41,7 @@ class GradSharding:
 
 
 class _UnitGrads:
-    def __init__(self, index: int, unit: FlatParamUnit, dtype: torch.dtype, keep_full: bool):
+    def __init__(self, index: int, unit: FlatParamUnit, dtype: torch.dtype, keep_full: bool, tier: Tier | None):
         self.index = index
         self.unit = unit
         self.plan = unit.plan
@@ -52,8 +53,10 @@ class _UnitGrads:
         if keep_full:
             self.acc = torch.zeros(self.plan.padded_numel, dtype=dtype, device=self.device)
             self.shard = self.acc[lo:hi]
-        else:
-            self.shard = torch.zeros(hi - lo, dtype=dtype, device=self.device)
+        else:  # in the optimizer's tier: an offloaded optimizer gets its gradients where it runs
+            where = tier.device if tier is not None else self.device
+            self.shard = torch.zeros(hi - lo, dtype=dtype, device=where,
+                                     pin_memory=tier is not None and tier.pinned)
         self.written = [False] * len(self.plan.params)  # slots of ``acc`` holding this window's values
         self.n_trainable = sum(unit.trainable)
         self.received: set[int] = set()
@@ -97,8 +100,11 @@ class ShardedGrads:
 
     def __init__(self, units: Sequence[FlatParamUnit], comm: Comm, sharding: GradSharding, *,
                  accum_dtype: torch.dtype = torch.float32, policy: ReductionPolicy = ReductionPolicy(),
-                 overlap: bool = True, max_in_flight_elems: int = 500_000_000):
-        """``overlap=False`` (``overlap_comm: false``) waits for each reduction as it is launched."""
+                 overlap: bool = True, max_in_flight_elems: int = 500_000_000,
+                 shard_tiers: Sequence[Tier] | None = None):
+        """``overlap=False`` (``overlap_comm: false``) waits for each reduction as it is launched.
+        ``shard_tiers``: per unit, where stages 2-3 keep the gradient shard (the optimizer's tier: CPU
+        memory under ``offload_optimizer``, so each unit's reduced gradient moves there as it completes)."""
         self.comm = comm
         self.overlap = overlap
         # Stages 2-3: a reduction that has finished is folded into its shard (and its full
@@ -109,7 +115,9 @@ class ShardedGrads:
         self._pool = _BufferPool(keep=3)
         self.sharding = sharding
         self.policy = policy
-        self.units = [_UnitGrads(i, u, accum_dtype, sharding.keep_full) for i, u in enumerate(units)]
+        tiers = list(shard_tiers) if shard_tiers is not None else [None] * len(units)
+        self.units = [_UnitGrads(i, u, accum_dtype, sharding.keep_full, None if sharding.keep_full else tiers[i])
+                      for i, u in enumerate(units)]
         self._where: dict[int, tuple[int, int]] = {}
         self._hooks = []
         for u, unit in enumerate(units):
@@ -208,6 +216,8 @@ class ShardedGrads:
             if out.data_ptr() != g.shard.data_ptr():
                 g.shard.copy_(out)
         else:
+            if out.device != g.shard.device:  # an offloaded gradient shard: this unit's part moves now
+                out = out.to(g.shard.device)
             if g.shard_written:
                 g.shard.add_(out)
             else:
