@@ -69,6 +69,7 @@ def _train(config: dict[str, Any]) -> dict[str, Any]:
     tiers = [tier.name for tier in state.zero_optimizer.tiers]
     return {"losses": losses, "masters": torch.cat(masters).tolist(), "params": torch.cat(params).tolist(),
             "optimizer": type(optimizer).__name__, "early_jobs": state.eager.jobs_run,
+            "early_during_backward": state.eager.jobs_during_backward,
             "offloaded_elems": sum(u.plan.shard_numel for u, t in zip(state.units, tiers) if t == "cpu"),
             "elems": sum(u.plan.shard_numel for u in state.units),
             "param_tiers": sorted({"cpu" if u.shard.device.type == "cpu" and not u.persistent else "device"
@@ -128,9 +129,9 @@ def test_offloaded_optimizer_matches_the_run_without(world: int) -> None:
         if case["variant"] != "overlapped":
             assert early == 0, what
         elif case["bf16"] or case["stage"] == 3:
-            # two or more sub-group jobs per window, so all but the last started while backward ran;
-            # fp32 stages 1-2 update the computed shards in place, which must wait for backward's end
-            assert early >= 2 * STEPS, (what, early)
+            # sub-group jobs every window, at least one of them started while backward still ran; fp32
+            # stages 1-2 update the computed shards in place, which must wait for backward's end
+            assert early >= 2 * STEPS and offloaded["early_during_backward"] >= STEPS, (what, offloaded)
         else:
             assert early == 0, what
 
@@ -168,3 +169,41 @@ def _offload_round_trip(root: str) -> list[float]:
 def test_a_checkpoint_moves_between_offloaded_and_not(tmp_path: Any) -> None:
     difference, magnitude = run_distributed(_offload_round_trip, 2, str(tmp_path))[0]
     assert magnitude > 0 and difference == 0.0
+
+
+def _overlap_misuse() -> list[str]:
+    """A second backward on the window's last micro-batch is refused once the step has begun; a window
+    abandoned after it keeps the early updates, with a warning."""
+    import logging
+
+    config = _config(3, True, 0.0, {"offload_optimizer": OFFLOAD, "sub_group_size": 100})
+    config["bf16"]["check_grad_overflow"] = False
+    config["gradient_accumulation_steps"] = 1
+    engine, *_ = zerospeed.initialize(model=_model(), config=config)
+    x = torch.randn(2, 12, generator=torch.Generator().manual_seed(0)).bfloat16()
+    out = []
+    engine.backward(engine(x).float().pow(2).mean())
+    try:
+        engine.backward(engine(x).float().pow(2).mean())
+        out.append("no error")
+    except RuntimeError as exc:
+        out.append(str(exc))
+    before = zerospeed.utils.safe_get_full_fp32_param(next(engine.module.parameters())).clone()
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("zerospeed").addHandler(handler)
+    engine.zero_grad()
+    out.append(" | ".join(records))
+    engine.backward(engine(x).float().pow(2).mean())  # the next window works normally
+    engine.step()
+    after = zerospeed.utils.safe_get_full_fp32_param(next(engine.module.parameters()))
+    out.append(str(bool((after != before).any())))
+    return out
+
+
+def test_overlapped_step_refuses_a_second_backward_and_warns_on_an_abandoned_window() -> None:
+    second, warning, moved = run_distributed(_overlap_misuse, 2)[0]
+    assert "second engine.backward()" in second and "add the losses first" in second
+    assert "ended without engine.step()" in warning and "updates are kept" in warning
+    assert moved == "True"

@@ -1,22 +1,31 @@
 """The offloaded optimizer step, overlapped with backward: sub-groups step as their gradients become final.
 
-On the last micro-batch of a window, a unit's gradient shard is final as soon as its reduction has
-completed. When nothing global has to be known before the update — no clipping (the global norm),
-no fp16 loss scaling (unscale and the overflow check) and no optimizer that needs whole-parameter
-norms (Lamb) — this rank's pieces of those units can be updated right away, on a worker thread, while
-backward goes on with earlier layers. Units are collected into sub-groups of about
-``sub_group_size`` shard elements (DeepSpeed's knob) and each sub-group is one job; ``engine.step()``
-waits for the jobs, steps whatever is left and publishes.
+On the last micro-batch of a window, a unit's gradient shard is final once its reduction has
+completed (noticed when the next unit's reduction is launched, or at the end of backward). When
+nothing global has to be known before the update — no clipping (the global norm), no fp16 loss
+scaling and no bf16 overflow check (every gradient must be seen before a step may be skipped), and an
+elementwise optimizer (not Lamb, whose trust ratio needs whole-parameter norms) — this rank's pieces
+of those units can be updated right away, on a worker thread, while backward goes on with earlier
+layers. Units are collected into sub-groups of about ``sub_group_size`` shard elements (DeepSpeed's
+knob) and each sub-group is one job; ``engine.step()`` waits for the jobs, steps whatever is left
+and publishes.
 
-The update is therefore committed when the window's last backward ends (``engine.step()`` then only
-finishes it). A unit whose shard *is* what the model computes with (a persistent unit whose master is
-the shard itself) is never updated early: its values may still be read by the rest of backward.
-The low-precision copy of an early-updated unit is written in the same pass only where the shard is
+The update is therefore committed when the window's last backward ends, and ``engine.step()`` only
+finishes it: a learning rate changed between that backward and ``step()`` reaches only the units not
+yet stepped (change it before the backward, or let the LR scheduler do it after ``step()``); a second
+backward on that micro-batch is refused; a window abandoned after it (``zero_grad()`` without
+``step()``) keeps the early updates, with a warning. Whatever reads or writes the masters or optimizer
+states in between (``safe_get_full_*``, checkpoints) first waits for the running jobs.
+
+A unit whose shard *is* what the model computes with (a persistent unit whose master is the shard
+itself) is never updated early: its values may still be read by the rest of backward. The
+low-precision copy of an early-updated unit is written in the same pass only where the shard is
 separate from the computed parameters (stage 3); otherwise ``step()`` copies it when publishing.
 """
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable
@@ -72,7 +81,9 @@ class EagerSteps:
         self._executor: ThreadPoolExecutor | None = None
         self.stepped: set[int] = set()  # units updated early in this window
         self.copied: set[int] = set()  # ...whose low-precision shard was written in the same pass
-        self.jobs_run = 0  # sub-group jobs started during backward, over the run (for tests and reports)
+        self.spans: list[tuple[float, float]] = []  # (start, end) of this window's jobs (perf_counter)
+        self.jobs_run = 0  # sub-group jobs started, over the run (for tests and reports)
+        self.jobs_during_backward = 0  # ...of which were started before backward ended
 
     def ready(self, unit_index: int) -> None:
         """Unit ``unit_index``'s gradient shard is final for this window."""
@@ -83,8 +94,8 @@ class EagerSteps:
         if self._pending_elems >= self.overlap.sub_group_elems:
             self.flush()
 
-    def flush(self) -> None:
-        """Start the pending units as one sub-group (end of backward: whatever is left)."""
+    def flush(self, during_backward: bool = True) -> None:
+        """Start the pending units as one sub-group (at the end of backward: whatever is left)."""
         if not self._pending:
             return
         units, self._pending, self._pending_elems = self._pending, [], 0
@@ -94,8 +105,22 @@ class EagerSteps:
         self.copied.update(copy_out or {})
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerospeed-eager-step")
-        self._jobs.append(self._executor.submit(self.optimizer.step_units, units, grads, copy_out))
+        self._jobs.append(self._executor.submit(self._job, units, grads, copy_out))
         self.jobs_run += 1
+        self.jobs_during_backward += int(during_backward)
+
+    def _job(self, units: list[int], grads: dict[int, torch.Tensor],
+             copy_out: dict[int, dict[int, torch.Tensor]] | None) -> None:
+        start = time.perf_counter()
+        try:
+            self.optimizer.step_units(units, grads, copy_out)
+        finally:
+            self.spans.append((start, time.perf_counter()))
+
+    def wait(self) -> None:
+        """Let the running jobs finish (their errors are raised by :meth:`drain`)."""
+        for job in self._jobs:
+            job.exception()
 
     def drain(self) -> tuple[set[int], set[int]]:
         """Wait for every job of this window; ``(units stepped, units whose shard was written)``.

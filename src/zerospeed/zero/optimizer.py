@@ -81,9 +81,8 @@ class ZeroOptimizer:
         self._unit_pieces = [{id(piece) for piece, u, *_ in self._grad_slices if u == unit_index}
                              for unit_index in range(len(self.units))]
         self.optimizer: torch.optim.Optimizer | None = None
-        # seconds of the last step: the update on the calling thread, casting and gathering the
-        # shards; and the updates run by step_units (early, on a worker) since the last step
-        self.times = {"update": 0.0, "publish": 0.0, "early_update": 0.0}
+        # seconds of the last step: the update on the calling thread, casting and gathering the shards
+        self.times = {"update": 0.0, "publish": 0.0}
 
     # -- wiring -----------------------------------------------------------------------------
     def adopt(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -124,12 +123,13 @@ class ZeroOptimizer:
     def reduce_piece_norms(self, pieces: list[torch.Tensor], squares: torch.Tensor) -> torch.Tensor:
         """Whole-parameter squared norms for ``pieces`` from their local squared norms (collective:
         every rank calls it the same number of times, with or without pieces)."""
-        total = torch.zeros(self._num_params, dtype=torch.float64, device=self.masters[0].device)
-        index = torch.tensor([self._global_index[id(p)] for p in pieces], dtype=torch.long, device=total.device)
+        device = self.units[0].full.device  # the collective runs on the compute device (masters may be offloaded)
+        total = torch.zeros(self._num_params, dtype=torch.float64, device=device)
+        index = torch.tensor([self._global_index[id(p)] for p in pieces], dtype=torch.long, device=device)
         if pieces:
-            total.index_add_(0, index, squares.to(torch.float64))
+            total.index_add_(0, index, squares.to(device=device, dtype=torch.float64))
         self.comm.all_reduce(total)
-        return total[index].to(squares.dtype) if pieces else squares
+        return total[index].to(device=squares.device, dtype=squares.dtype) if pieces else squares
 
     def pieces(self) -> list[tuple[nn.Parameter, int, int, int]]:
         """``(piece, unit index, offset in the shard, numel)`` for every piece on this rank."""
@@ -184,7 +184,7 @@ class ZeroOptimizer:
         assert self.optimizer is not None
         self._attach_grads(grads)
         try:
-            self.times["early_update"] += self._step_groups(copy_out)
+            self._step_groups(copy_out)
         finally:
             self._detach_grads(units)
 

@@ -8,6 +8,7 @@ module (stage 3). The engine drives it exactly like :class:`ReplicatedState`.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Iterator
 
@@ -23,11 +24,18 @@ from zerospeed.zero.flat_param import OWNER, FlatParamUnit, shape_of
 from zerospeed.zero.grads import ReductionPolicy
 from zerospeed.zero.layout import UnitSpec, build_units, module_users
 from zerospeed.zero.memory import storage_bytes
-from zerospeed.optim.lamb import Lamb
+from zerospeed.ops.cpu_optimizer import CPUOptimizer
 from zerospeed.zero.eager import EagerSteps, StepOverlap
 from zerospeed.zero.optimizer import ZeroOptimizer
 from zerospeed.zero.params import ParamCoordinator, PrefetchPolicy
 from zerospeed.zero.sharded_grads import GradSharding, ShardedGrads
+
+log = logging.getLogger("zerospeed")
+
+# Optimizers whose update of an element depends on that element only: safe to step sub-group by
+# sub-group (Lamb, or anything unknown, may look at whole tensors or count steps per call).
+ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (CPUOptimizer, torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD,
+                                            torch.optim.Adagrad)
 
 
 class ShardedState:
@@ -63,11 +71,15 @@ class ShardedState:
         self.zero_optimizer = ZeroOptimizer(self.units, comm, master_dtype=master_dtype,
                                             allgather_bucket_elems=int(zero_cfg.allgather_bucket_size),
                                             store=self.store)
-        self.eager = EagerSteps(self.zero_optimizer, overlap_step or StepOverlap(False, 1, "not requested"),
+        # enabled by adopt(), once the optimizer is known to be elementwise
+        self._overlap_requested = overlap_step or StepOverlap(False, 1, "not requested")
+        self.eager = EagerSteps(self.zero_optimizer, self._overlap_requested.without("no optimizer"),
                                 grad_of=lambda u: self.grads.units[u].shard)
         self.grads.on_final_shard = self.eager.ready
-        # seconds of the last step (for benchmarks): updates run early during backward, how long the
-        # step then waited for them, the update at the step, and casting/gathering the shards
+        self._final_backward_end: float | None = None  # when this window's last backward ended
+        # seconds of the last step (for benchmarks): the early updates (wall), how much of them ran
+        # before backward ended, how long step() waited for them, the update at the step, and
+        # casting/gathering the shards
         self.last_step_times: dict[str, float] = {}
         self.coordinator: ParamCoordinator | None = None
         if stage == 3:
@@ -87,9 +99,11 @@ class ShardedState:
 
     def adopt(self, optimizer: torch.optim.Optimizer) -> None:
         self.zero_optimizer.adopt(optimizer)
-        if isinstance(optimizer, Lamb) and self.eager.overlap.enabled:
-            self.eager.overlap = self.eager.overlap.without("Lamb's trust ratio needs whole-parameter norms from "
-                                                            "every rank, so the step runs after backward")
+        overlap = self._overlap_requested
+        if overlap.enabled and not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+            overlap = overlap.without(f"{type(optimizer).__name__} is not known to be elementwise (Lamb's trust "
+                                      f"ratio needs whole-parameter norms), so the step runs after backward")
+        self.eager.overlap = overlap
 
     def describe_offload(self) -> str:
         """Where state lives and when the optimizer steps, in one line (logged at initialize)."""
@@ -97,12 +111,19 @@ class ShardedState:
 
     # -- backward ---------------------------------------------------------------------------
     def begin_backward(self, reduce: bool) -> None:
+        if self._final_backward_end is not None and self.eager.overlap.enabled and any(self.eager.eligible):
+            raise RuntimeError("a second engine.backward() on the last micro-batch of an accumulation window: the "
+                               "optimizer step overlaps backward (offload without clipping), so that window's "
+                               "update has already begun; call backward once per micro-batch (add the losses "
+                               "first) and engine.step() after it")
         self.grads.begin_backward(reduce)
 
     def end_backward(self) -> None:
         self.grads.end_backward()
         if self.grads.final:
-            self.eager.flush()  # the last sub-group starts now, while the engine goes on into step()
+            self._final_backward_end = time.perf_counter()
+            # the last sub-group starts now, while the engine goes on into step()
+            self.eager.flush(during_backward=False)
         if self.coordinator is not None:
             self.coordinator.end_backward()
 
@@ -126,14 +147,27 @@ class ShardedState:
         done, copied = self.eager.drain()
         waited = time.perf_counter() - start
         self.zero_optimizer.step(self.grads.shards(), done=done, copied=copied)
+        spans, end = self.eager.spans, self._final_backward_end or start
         times = self.zero_optimizer.times
-        self.last_step_times = {"early_update": times["early_update"], "early_wait": waited,
-                                "update": times["update"], "publish": times["publish"]}
-        times["early_update"] = 0.0
+        self.last_step_times = {"early_update": sum(b - a for a, b in spans),
+                                "early_under_backward": sum(max(min(b, end) - a, 0.0) for a, b in spans),
+                                "early_wait": waited, "update": times["update"], "publish": times["publish"]}
 
     def zero(self) -> None:
-        self.eager.drain()  # only non-empty when a window ends without step() (its update is kept)
-        self.grads.zero()
+        try:
+            stepped, _ = self.eager.drain()
+            if stepped:
+                log.warning("an accumulation window ended without engine.step() after its last backward, whose "
+                            "overlapped optimizer step had already updated %d of %d units; those updates are kept",
+                            len(stepped), len(self.units))
+        finally:
+            self.eager.spans = []
+            self._final_backward_end = None
+            self.grads.zero()
+
+    def settle(self) -> None:
+        """Wait for early optimizer jobs before masters or states are read or written from outside."""
+        self.eager.wait()
 
     # -- queries ----------------------------------------------------------------------------
     def unit_of(self, param: nn.Parameter) -> tuple[FlatParamUnit, int]:
@@ -150,6 +184,7 @@ class ShardedState:
 
     # -- full views of one parameter (zerospeed.utils.safe_get_* ; collective) --------------
     def full_fp32(self, unit_index: int, index: int) -> torch.Tensor:
+        self.settle()
         unit = self.units[unit_index]
         return unit.param_slice(unit.gather_shard_values(self.zero_optimizer.masters[unit_index]), index).float()
 
@@ -160,6 +195,7 @@ class ShardedState:
         return unit.param_slice(unit.gather_shard_values(self.grads.units[unit_index].shard), index).float()
 
     def full_optimizer_state(self, unit_index: int, index: int, key: str) -> torch.Tensor | None:
+        self.settle()
         unit = self.units[unit_index]
         shard = torch.zeros(unit.plan.shard_numel, dtype=torch.float32, device=unit.full.device)
         found = torch.zeros(1, device=unit.full.device)  # collectives run on the compute device
@@ -177,6 +213,7 @@ class ShardedState:
     def set_full_fp32(self, unit_index: int, index: int, value: torch.Tensor) -> None:
         """Overwrite one parameter everywhere it lives on this rank (every rank passes the same value;
         no communication)."""
+        self.settle()
         unit = self.units[unit_index]
         slot = unit.plan.params[index]
         if tuple(value.shape) != slot.shape:
@@ -193,6 +230,7 @@ class ShardedState:
                 unit.param_slice(unit.full, index).copy_(value)
 
     def memory_breakdown(self) -> dict[str, int]:
+        self.settle()
         unit_tensors = [t for unit in self.units for t in unit.tensors()]
         resident = [u.full for u in self.units if u.persistent] + [u.shard for u in self.units if not u.persistent]
         params = storage_bytes(resident)
@@ -227,6 +265,7 @@ class ShardedState:
 
     def checkpoint_slots(self, for_save: bool) -> list[Slot]:
         """The pieces of this rank's shards (the same for saving and loading)."""
+        self.settle()
         out = []
         for u, unit in enumerate(self.units):
             master = self.zero_optimizer.masters[u]
