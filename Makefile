@@ -28,6 +28,7 @@ bench: install
 	$(BIN)/python benchmarks/bench_zero.py --quick
 	$(BIN)/python benchmarks/bench_checkpoint.py --quick
 	$(BIN)/python benchmarks/bench_cpu_adam.py --quick
+	$(BIN)/python benchmarks/bench_offload.py --quick
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -266,7 +266,8 @@ class _Publisher:
     def _publish(self, unit: FlatParamUnit, master: torch.Tensor, copied: bool) -> None:
         with torch.no_grad():
             if master is not unit.shard and not copied:
-                unit.shard.copy_(master)
+                # from offloaded (pinned) masters to the device: asynchronous, ordered before the all-gather
+                unit.shard.copy_(master, non_blocking=master.device != unit.shard.device)
         if not unit.persistent:
             return
         while self.in_flight and self.live + unit.numel > self.bucket_elems:
