@@ -1,0 +1,353 @@
+"""The NVMe tier's mechanics: a per-run directory of swap files, and flat "slabs" that live in them.
+
+A slab is one flat tensor (e.g. a unit's fp32 master followed by its optimizer states) whose bytes
+live in a file between uses. Swapped out, its storage is released (resized to 0, as stage 3 does
+with gathered parameters), and every view of it that was attached — optimizer pieces, state tensors —
+stays the same Python object: while released its ``.data`` is an empty tensor (so a stray read is a
+shape error, not a read of freed memory), and it points into the slab again once the slab is read
+back. A pass
+over many slabs is streamed: the next slabs are read while the current one is used, and used ones
+are written back, with at most ``lookahead + 1`` slabs resident (DeepSpeed's ``buffer_count`` and
+``pipeline_read`` / ``pipeline_write``).
+
+Files live in ``<nvme_path>/zerospeed-<run id>/rank<r>/``: a run never sees another run's files,
+the directory is removed when the owner is closed or garbage-collected, and the room a run needs is
+checked before anything is written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import weakref
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Sequence
+
+import torch
+
+GIB = 1 << 30
+
+
+class NvmeSpaceError(OSError):
+    """The NVMe path cannot hold what a run will write there."""
+
+
+class RunDirectory:
+    """This rank's directory of swap files for one run (removed by :meth:`close` or at garbage collection)."""
+
+    def __init__(self, root: str | os.PathLike[str], run_id: str, rank: int):
+        base = Path(root)
+        if not base.is_dir():
+            raise FileNotFoundError(errno.ENOENT, f"nvme_path {str(base)!r} does not exist or is not a directory; "
+                                                  f"create it or point nvme_path at a mounted NVMe directory",
+                                    str(base))
+        self.path = base / f"zerospeed-{run_id}" / f"rank{rank}"
+        try:
+            self.path.mkdir(parents=True, exist_ok=False)
+        except FileExistsError:
+            raise FileExistsError(errno.EEXIST, f"{self.path} already exists: another process of this run uses it; "
+                                                f"each run and rank needs its own swap directory",
+                                  str(self.path)) from None
+        except PermissionError as exc:
+            raise PermissionError(errno.EACCES, f"nvme_path {str(base)!r} is not writable ({exc.strerror}); "
+                                                f"choose a directory this user can write", str(base)) from None
+        self._finalizer = weakref.finalize(self, _remove_run_dir, self.path)
+
+    def file(self, name: str) -> Path:
+        return self.path / name
+
+    def check_room(self, nbytes: int, what: str) -> None:
+        """Raise :class:`NvmeSpaceError` unless the file system has ``nbytes`` free (beyond what this
+        directory already holds)."""
+        held = sum(f.stat().st_size for f in self.path.iterdir() if f.is_file())
+        free = shutil.disk_usage(self.path).free + held
+        if nbytes > free:
+            raise NvmeSpaceError(errno.ENOSPC, f"{what} needs {nbytes / GIB:.2f} GiB under {self.path.parent.parent} "
+                                               f"but only {free / GIB:.2f} GiB are free; free space there or point "
+                                               f"nvme_path at a larger disk")
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _remove_run_dir(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        path.parent.rmdir()  # the run's directory, once every rank's is gone
+
+
+class SwappedSlabs:
+    """Flat tensors kept in files of a :class:`RunDirectory` and made resident on demand (see the
+    module docstring). ``aio`` is a :class:`zerospeed.ops.aio.AsyncIOHandle`."""
+
+    def __init__(self, slabs: Sequence[torch.Tensor], directory: RunDirectory, aio: Any, *, lookahead: int = 1,
+                 name: str = "slab", attach: Sequence[Sequence[torch.Tensor]] | None = None):
+        """``slabs``: the flat, contiguous CPU tensors to manage; ``attach[i]``: views of slab ``i`` to
+        keep pointing into it (see :meth:`attach`). Everything is written out at once and released."""
+        for i, slab in enumerate(slabs):
+            if slab.dim() != 1 or not slab.is_contiguous() or slab.device.type != "cpu":
+                raise ValueError(f"{name} {i}: swapped slabs must be flat contiguous CPU tensors, got shape "
+                                 f"{tuple(slab.shape)} on {slab.device}")
+        self.slabs = list(slabs)
+        self.directory = directory
+        self.aio = aio
+        self.lookahead = max(int(lookahead), 0)
+        self.nbytes = [s.numel() * s.element_size() for s in self.slabs]
+        self.paths = [directory.file(f"{name}{i}.bin") for i in range(len(self.slabs))]
+        directory.check_room(sum(self.nbytes), f"swapping {len(self.slabs)} {name}s")
+        self.resident = [True] * len(self.slabs)
+        self.views: list[list[tuple[torch.Tensor, int, tuple[int, ...]]]] = [[] for _ in self.slabs]
+        self._empty = torch.empty(0, dtype=self.slabs[0].dtype) if self.slabs else torch.empty(0)
+        self.bytes_read = 0
+        self.bytes_written = 0
+        for i, views in enumerate(attach or {}):
+            for view in views:
+                self.attach(i, view)
+        self.swap_out(range(len(self.slabs)))
+
+    def attach(self, index: int, view: torch.Tensor) -> None:
+        """Keep ``view`` (a tensor viewing slab ``index``, e.g. an optimizer state) pointing into the
+        slab while it is resident, and empty while it is not."""
+        slab = self.slabs[index]
+        if not self.resident[index]:
+            raise RuntimeError(f"slab {index} is swapped out; attach views while it is resident")
+        offset = (view.data_ptr() - slab.data_ptr()) // slab.element_size()
+        if view.untyped_storage().data_ptr() != slab.untyped_storage().data_ptr() or not view.is_contiguous() \
+                or not 0 <= offset <= slab.numel() - view.numel():
+            raise ValueError(f"slab {index}: attached tensors must be contiguous views of the slab")
+        self.views[index].append((view, offset, tuple(view.shape)))
+
+    # -- single moves -----------------------------------------------------------------------------
+    def _allocate(self, i: int) -> None:
+        slab = self.slabs[i]
+        storage = slab.untyped_storage()
+        if storage.nbytes() < self.nbytes[i]:
+            storage.resize_(self.nbytes[i])
+        with torch.no_grad():
+            for view, offset, shape in self.views[i]:
+                view.data = slab[offset: offset + _numel(shape)].view(shape)
+
+    def _release(self, i: int) -> None:
+        for view, _, _ in self.views[i]:
+            view.data = self._empty
+        self.slabs[i].untyped_storage().resize_(0)
+        self.resident[i] = False
+
+    def swap_in(self, indices: Iterable[int]) -> None:
+        """Make slabs resident (read, waited for)."""
+        wanted = [i for i in indices if not self.resident[i]]
+        for i in wanted:
+            self._start_read(i)
+        self.aio.wait()
+
+    def swap_out(self, indices: Iterable[int]) -> None:
+        """Write slabs back and release them (waited for)."""
+        wanted = [i for i in indices if self.resident[i]]
+        for i in wanted:
+            self._start_write(i)
+        self.aio.wait()
+        for i in wanted:
+            self._release(i)
+
+    def _start_read(self, i: int) -> None:
+        self._allocate(i)
+        self.aio.async_pread(self.slabs[i], str(self.paths[i]), 0)
+        self.resident[i] = True
+        self.bytes_read += self.nbytes[i]
+
+    def _start_write(self, i: int) -> None:
+        self.aio.async_pwrite(self.slabs[i], str(self.paths[i]), 0)
+        self.bytes_written += self.nbytes[i]
+
+    # -- passes -------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def resident_during(self, indices: Sequence[int], write_back: bool = True) -> Iterator[None]:
+        """Slabs resident inside the block (read-only use: ``write_back=False``), swapped out after."""
+        indices = list(indices)
+        self.swap_in(indices)
+        try:
+            yield
+        finally:
+            if write_back:
+                self.swap_out(indices)
+            else:
+                for i in indices:
+                    self._release(i)
+
+    def stream(self, order: Sequence[int], write_back: bool = True) -> Iterator[int]:
+        """Yield each index of ``order`` once its slab is resident; after the consumer moves on, the
+        slab is written back (``write_back``) while the next one is used, then released. The next
+        ``lookahead`` slabs are read while one is in use. If the consumer fails, the slab it held is
+        released without being written, so its file keeps the values from before the pass."""
+        order = list(order)
+        ahead = 0  # order[:ahead] have been started reading
+        writing: list[int] = []  # written back, released once the write is complete
+        try:
+            for pos, i in enumerate(order):
+                while ahead < len(order) and ahead <= pos + self.lookahead:
+                    if not self.resident[order[ahead]]:
+                        self._start_read(order[ahead])
+                    ahead += 1
+                self.aio.wait()  # this slab's read, reads started ahead, and the last write
+                for done in writing:
+                    self._release(done)
+                writing = []
+                yield i
+                if write_back:
+                    self._start_write(i)
+                    writing.append(i)
+                else:
+                    self._release(i)
+        finally:
+            self.aio.wait()
+            for i in order:
+                if self.resident[i]:
+                    self._release(i)
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _remove_run_dir(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        path.parent.rmdir()  # the run's directory, once every rank's is gone
+
+
+class SwappedSlabs:
+    """Flat tensors kept in files of a :class:`RunDirectory` and made resident on demand (see the
+    module docstring). ``aio`` is a :class:`zerospeed.ops.aio.AsyncIOHandle`."""
+
+    def __init__(self, slabs: Sequence[torch.Tensor], directory: RunDirectory, aio: Any, *, lookahead: int = 1,
+                 name: str = "slab", attach: Sequence[Sequence[torch.Tensor]] | None = None):
+        """``slabs``: the flat, contiguous CPU tensors to manage; ``attach[i]``: views of slab ``i`` to
+        keep pointing into it (see :meth:`attach`). Everything is written out at once and released."""
+        for i, slab in enumerate(slabs):
+            if slab.dim() != 1 or not slab.is_contiguous() or slab.device.type != "cpu":
+                raise ValueError(f"{name} {i}: swapped slabs must be flat contiguous CPU tensors, got shape "
+                                 f"{tuple(slab.shape)} on {slab.device}")
+        self.slabs = list(slabs)
+        self.directory = directory
+        self.aio = aio
+        self.lookahead = max(int(lookahead), 0)
+        self.nbytes = [s.numel() * s.element_size() for s in self.slabs]
+        self.paths = [directory.file(f"{name}{i}.bin") for i in range(len(self.slabs))]
+        directory.check_room(sum(self.nbytes), f"swapping {len(self.slabs)} {name}s")
+        self.resident = [True] * len(self.slabs)
+        self.views: list[list[tuple[torch.Tensor, int, tuple[int, ...]]]] = [[] for _ in self.slabs]
+        self._empty = torch.empty(0, dtype=self.slabs[0].dtype) if self.slabs else torch.empty(0)
+        self.bytes_read = 0
+        self.bytes_written = 0
+        for i, views in enumerate(attach or {}):
+            for view in views:
+                self.attach(i, view)
+        self.swap_out(range(len(self.slabs)))
+
+    def attach(self, index: int, view: torch.Tensor) -> None:
+        """Keep ``view`` (a tensor viewing slab ``index``, e.g. an optimizer state) pointing into the
+        slab while it is resident, and empty while it is not."""
+        slab = self.slabs[index]
+        if not self.resident[index]:
+            raise RuntimeError(f"slab {index} is swapped out; attach views while it is resident")
+        offset = (view.data_ptr() - slab.data_ptr()) // slab.element_size()
+        if view.untyped_storage().data_ptr() != slab.untyped_storage().data_ptr() or not view.is_contiguous() \
+                or not 0 <= offset <= slab.numel() - view.numel():
+            raise ValueError(f"slab {index}: attached tensors must be contiguous views of the slab")
+        self.views[index].append((view, offset, tuple(view.shape)))
+
+    # -- single moves -----------------------------------------------------------------------------
+    def _allocate(self, i: int) -> None:
+        slab = self.slabs[i]
+        storage = slab.untyped_storage()
+        if storage.nbytes() < self.nbytes[i]:
+            storage.resize_(self.nbytes[i])
+        with torch.no_grad():
+            for view, offset, shape in self.views[i]:
+                view.data = slab[offset: offset + _numel(shape)].view(shape)
+
+    def _release(self, i: int) -> None:
+        for view, _, _ in self.views[i]:
+            view.data = self._empty
+        self.slabs[i].untyped_storage().resize_(0)
+        self.resident[i] = False
+
+    def swap_in(self, indices: Iterable[int]) -> None:
+        """Make slabs resident (read, waited for)."""
+        wanted = [i for i in indices if not self.resident[i]]
+        for i in wanted:
+            self._start_read(i)
+        self.aio.wait()
+
+    def swap_out(self, indices: Iterable[int]) -> None:
+        """Write slabs back and release them (waited for)."""
+        wanted = [i for i in indices if self.resident[i]]
+        for i in wanted:
+            self._start_write(i)
+        self.aio.wait()
+        for i in wanted:
+            self._release(i)
+
+    def _start_read(self, i: int) -> None:
+        self._allocate(i)
+        self.aio.async_pread(self.slabs[i], str(self.paths[i]), 0)
+        self.resident[i] = True
+        self.bytes_read += self.nbytes[i]
+
+    def _start_write(self, i: int) -> None:
+        self.aio.async_pwrite(self.slabs[i], str(self.paths[i]), 0)
+        self.bytes_written += self.nbytes[i]
+
+    # -- passes -------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def resident_during(self, indices: Sequence[int], write_back: bool = True) -> Iterator[None]:
+        """Slabs resident inside the block (read-only use: ``write_back=False``), swapped out after."""
+        indices = list(indices)
+        self.swap_in(indices)
+        try:
+            yield
+        finally:
+            if write_back:
+                self.swap_out(indices)
+            else:
+                for i in indices:
+                    self._release(i)
+
+    def stream(self, order: Sequence[int], write_back: bool = True) -> Iterator[int]:
+        """Yield each index of ``order`` once its slab is resident; after the consumer moves on, the
+        slab is written back (``write_back``) and released. The next ``lookahead`` slabs are read
+        while one is in use."""
+        order = list(order)
+        if not order:
+            return
+        ahead = 0  # order[:ahead] have been started reading
+        try:
+            for pos, i in enumerate(order):
+                while ahead < len(order) and ahead <= pos + self.lookahead:
+                    if not self.resident[order[ahead]]:
+                        self._start_read(order[ahead])
+                    ahead += 1
+                self.aio.wait()  # this slab (and reads started ahead) complete
+                yield i
+                if write_back:
+                    self._start_write(i)
+                    self.aio.wait()
+                self._release(i)
+        finally:
+            self.aio.wait()
+            for i in order:
+                if self.resident[i]:
+                    self._release(i)
+
+    def close(self) -> None:
+        """Release every slab (the files go with the run directory, removed by its owner)."""
+        for i in range(len(self.slabs)):
+            self._release(i)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    out = 1
+    for n in shape:
+        out *= n
+    return out
