@@ -23,9 +23,9 @@ _LAZY = {
 }
 
 # Subpackages reachable as attributes after a bare ``import zerospeed`` (``zerospeed.zero.Init``).
-_SUBMODULES = ("zero", "utils", "checkpoint", "ops")
+_SUBMODULES = ("zero", "utils", "checkpoint", "ops", "checkpointing")
 
-__all__ = ["__version__", *_LAZY, "zero", "utils"]
+__all__ = ["__version__", *_LAZY, "zero", "utils", "checkpointing"]
 
 
 def __getattr__(name: str) -> Any:

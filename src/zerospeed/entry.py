@@ -31,6 +31,8 @@ IMPLEMENTED = frozenset({
     "data_types.grad_accum_dtype", "checkpoint.writer", "checkpoint.tag_validation=IGNORE",
     "checkpoint.tag_validation=FAIL", "zero_optimization.offload_optimizer.device=cpu",
     "zero_optimization.offload_optimizer.ratio", "zero_optimization.offload_param.device=cpu",
+    "activation_checkpointing.cpu_checkpointing", "activation_checkpointing.contiguous_memory_optimization",
+    "activation_checkpointing.synchronize_checkpoint_boundary", "activation_checkpointing.profile",
 })
 
 
@@ -72,6 +74,7 @@ def initialize(args: Any = None, model: nn.Module | None = None,
 
     from zerospeed.precision.policy import policy_from_config
 
+    _configure_activation_checkpointing(cfg)
     policy = policy_from_config(cfg)
     model.to(get_accelerator().device(info.local_rank))
     _detach_previous_engine(model)
@@ -102,6 +105,17 @@ def initialize(args: Any = None, model: nn.Module | None = None,
         if offload or state.stage == 3 and cfg.zero_optimization.offload_param.enabled:
             log.info("offload: %s", state.describe_offload())
     return engine, opt, loader, sched
+
+
+def _configure_activation_checkpointing(cfg: Config) -> None:
+    """An ``activation_checkpointing`` section configures ``zerospeed.checkpointing`` (as DeepSpeed's
+    engine does); without one, a configuration the user made with ``configure`` is left alone."""
+    from zerospeed.config.schema_features import ActivationCheckpointingConfig
+
+    if cfg.activation_checkpointing != ActivationCheckpointingConfig():
+        from zerospeed import checkpointing
+
+        checkpointing.configure(None, deepspeed_config=cfg)
 
 
 def _ensure_log_handler() -> None:
