@@ -212,6 +212,13 @@ class Engine(nn.Module):
         pending, self._pending_save = self._pending_save, None
         return pending.wait() if pending is not None else None
 
+    def destroy(self) -> None:
+        """Release what the engine holds beyond tensors (as ``DeepSpeedEngine.destroy``): wait for an
+        asynchronous save, remove its hooks from the model, stop background threads, and delete
+        this run's NVMe swap files. The engine cannot train afterwards."""
+        self.wait_for_checkpoint()
+        self.state.remove_hooks()
+
     def next_checkpoint_call(self) -> int:
         """Number this save's handshake; every rank counts its saves the same way."""
         self._checkpoint_calls += 1

@@ -31,6 +31,8 @@ IMPLEMENTED = frozenset({
     "data_types.grad_accum_dtype", "checkpoint.writer", "checkpoint.tag_validation=IGNORE",
     "checkpoint.tag_validation=FAIL", "zero_optimization.offload_optimizer.device=cpu",
     "zero_optimization.offload_optimizer.ratio", "zero_optimization.offload_param.device=cpu",
+    "zero_optimization.offload_optimizer.device=nvme", "zero_optimization.offload_optimizer.pipeline_read",
+    "zero_optimization.offload_optimizer.pipeline_write", "zero_optimization.offload_optimizer.fast_init",
     "activation_checkpointing.cpu_checkpointing", "activation_checkpointing.contiguous_memory_optimization",
     "activation_checkpointing.synchronize_checkpoint_boundary", "activation_checkpointing.profile",
 })
@@ -191,8 +193,9 @@ def _model_state(model: nn.Module, cfg: Config, comm: Comm, policy: Any) -> Any:
 
     zero = cfg.zero_optimization
     device = next(model.parameters()).device
-    store = StateStore.from_config(zero, device, get_accelerator())
-    overlap = StepOverlap.decide(offloaded=store.offloads_optimizer, clipping=float(cfg.gradient_clipping),
+    store = StateStore.from_config(zero, device, get_accelerator(), aio=cfg.aio)
+    overlap = StepOverlap.decide(offloaded=store.offloads_optimizer, swapped=store.optimizer.name == "nvme",
+                                 clipping=float(cfg.gradient_clipping),
                                  loss_scaled=policy.loss_scaling is not None, overflow_checked=policy.check_overflow,
                                  sub_group_size=int(zero.sub_group_size))
     return ShardedState(model, comm, stage=stage, master_dtype=policy.master_dtype,

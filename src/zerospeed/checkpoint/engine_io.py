@@ -95,18 +95,22 @@ def _prepare(engine: Any, sync: RankSync, save_dir: str, tmp_dir: str, tag: str,
     try:
         if comm.rank == 0:
             layout.remove_stale_temporaries(save_dir, keep=tmp_dir)
-        slots = engine.state.checkpoint_slots(for_save=True)
-        if exclude_frozen_parameters:
-            frozen = {p.name for p in engine.state.checkpoint_params() if not p.trainable}
-            slots = [slot for slot in slots if slot.param not in frozen]
-        payload = collect(slots, engine.optimizer, with_optimizer=True)
-        buffers = _persistent_buffers(engine.module) if comm.rank == 0 else {}
-        for name, buf in buffers.items():
-            payload.add(BUFFER, name, 0, buf.numel(), buf.detach().reshape(-1))
         writer = engine.config.checkpoint.writer
         asynchronous = (writer is not None and writer.decoupled) if async_save is None else bool(async_save)
-        if asynchronous:
-            payload = payload.snapshot()
+        swapped = getattr(engine.state, "zero_optimizer", None) is not None \
+            and engine.state.zero_optimizer.swapped is not None
+        # NVMe-tier state is in memory only inside this block: copy it out before it is released
+        with engine.state.resident_state():
+            slots = engine.state.checkpoint_slots(for_save=True)
+            if exclude_frozen_parameters:
+                frozen = {p.name for p in engine.state.checkpoint_params() if not p.trainable}
+                slots = [slot for slot in slots if slot.param not in frozen]
+            payload = collect(slots, engine.optimizer, with_optimizer=True)
+            buffers = _persistent_buffers(engine.module) if comm.rank == 0 else {}
+            for name, buf in buffers.items():
+                payload.add(BUFFER, name, 0, buf.numel(), buf.detach().reshape(-1))
+            if asynchronous or swapped:
+                payload = payload.snapshot()
         rank_state = serialize({"rng": _rng_state(), "loader": _loader_state(engine)})
         engine_state = manifest = None
         if comm.rank == 0:
@@ -170,7 +174,8 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
         warnings.warn(f"load_checkpoint: {load_dir} holds no checkpoint (no '{layout.LATEST}' file and no tag "
                       f"given); nothing was loaded", stacklevel=3)
         return None, None
-    with CheckpointSet(path) as ckpt:
+    # NVMe-tier state is read into memory for the load and written back after it
+    with CheckpointSet(path) as ckpt, engine.state.resident_state(write_back=True):
         manifest = ckpt.manifest
         error: BaseException | None = None
         engine_state: dict[str, Any] = {}

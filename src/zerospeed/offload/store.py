@@ -10,6 +10,7 @@ flags, so turning offload on changes where tensors are made, not which code runs
 
 from __future__ import annotations
 
+import pathlib
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -23,9 +24,10 @@ from zerospeed.config.values import OffloadDevice
 class Tier:
     """One place for state: a device, and whether host memory there is page-locked."""
 
-    name: str  # "device" or "cpu"
-    device: torch.device
+    name: str  # "device", "cpu" or "nvme"
+    device: torch.device  # where the state is while in use (the CPU for "nvme": it is read into memory)
     pinned: bool = False  # page-locked host memory (only ever true when a CUDA device copies from it)
+    path: pathlib.Path | None = None  # "nvme": the directory under which this run's swap files go
 
     def place(self, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A copy of ``tensor`` (cast to ``dtype``) in this tier; the same tensor when it already is."""
@@ -41,7 +43,8 @@ class Tier:
         return tensor.device == self.device
 
     def describe(self) -> str:
-        return f"{self.name} ({self.device}{', pinned' if self.pinned else ''})"
+        where = str(self.path) if self.path is not None else str(self.device)
+        return f"{self.name} ({where}{', pinned' if self.pinned else ''})"
 
 
 @dataclass(frozen=True)
@@ -52,16 +55,22 @@ class StateStore:
     optimizer: Tier  # fp32 masters and optimizer states of offloaded units
     params: Tier  # stage-3 parameter shards between uses
     offload_ratio: float = 1.0  # fraction of the optimizer's elements in ``optimizer`` (the rest: ``compute``)
+    aio: Any = None  # the ``aio`` config section (block size, queue depth...) for NVMe tiers
+    nvme_lookahead: int = 1  # NVMe: units read ahead of the one being updated
 
     @classmethod
-    def from_config(cls, zero_cfg: Any, compute_device: torch.device, accelerator: Accelerator) -> "StateStore":
-        """The tiers ``zero_optimization`` asks for (NVMe lands with ZeRO-Infinity and is refused earlier)."""
+    def from_config(cls, zero_cfg: Any, compute_device: torch.device, accelerator: Accelerator,
+                    aio: Any = None) -> "StateStore":
+        """The tiers ``zero_optimization`` asks for; ``aio``: the config's ``aio`` section (NVMe)."""
         compute = Tier("device", compute_device)
         opt_cfg, par_cfg = zero_cfg.offload_optimizer, zero_cfg.offload_param
         optimizer = _host_tier(opt_cfg, compute, accelerator)
         params = _host_tier(par_cfg, compute, accelerator) if int(zero_cfg.stage) == 3 else compute
         ratio = float(opt_cfg.ratio) if optimizer != compute else 1.0
-        return cls(compute=compute, optimizer=optimizer, params=params, offload_ratio=ratio)
+        # buffer_count slabs: one being updated, one being written back, the rest read ahead
+        lookahead = max(int(opt_cfg.buffer_count) - 2, 1) if opt_cfg.pipeline_read else 1
+        return cls(compute=compute, optimizer=optimizer, params=params, offload_ratio=ratio, aio=aio,
+                   nvme_lookahead=lookahead)
 
     @classmethod
     def on_device(cls, device: torch.device) -> "StateStore":
@@ -102,8 +111,11 @@ class StateStore:
 
 
 def _host_tier(section: Any, compute: Tier, accelerator: Accelerator) -> Tier:
-    """CPU memory for ``device: cpu`` (pinned when asked and a CUDA device copies from it); else compute."""
-    if section.device != OffloadDevice.CPU:
+    """CPU memory for ``device: cpu`` (pinned when asked and a CUDA device copies from it), files under
+    ``nvme_path`` for ``device: nvme``; else the compute tier."""
+    if section.device not in (OffloadDevice.CPU, OffloadDevice.NVME):
         return compute
     pinned = bool(section.pin_memory) and compute.device.type == "cuda" and accelerator.device_type == "cuda"
+    if section.device == OffloadDevice.NVME:
+        return Tier("nvme", torch.device("cpu"), pinned=pinned, path=pathlib.Path(section.nvme_path))
     return Tier("cpu", torch.device("cpu"), pinned=pinned)

@@ -46,8 +46,12 @@ class StepOverlap:
 
     @classmethod
     def decide(cls, *, offloaded: bool, clipping: float, loss_scaled: bool, overflow_checked: bool,
-               sub_group_size: int) -> "StepOverlap":
+               sub_group_size: int, swapped: bool = False) -> "StepOverlap":
+        """``swapped``: the optimizer state is on NVMe (streamed through memory at ``step()``)."""
         elems = max(int(sub_group_size), 1)
+        if swapped:
+            return cls(False, elems, "the NVMe tier streams each unit's state through memory at step(), reading "
+                                     "ahead and writing behind")
         if not offloaded:
             return cls(False, elems, "the optimizer is not offloaded (it steps after backward)")
         if clipping > 0:

@@ -15,6 +15,7 @@ whole-parameter norms: the pieces' squared norms are summed across ranks (one sm
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Sequence
 
 import torch
@@ -25,6 +26,7 @@ from zerospeed.offload.store import StateStore, Tier
 from zerospeed.ops.cpu_optimizer import CPUOptimizer
 from zerospeed.optim.lamb import Lamb
 from zerospeed.zero.flat_param import FlatParamUnit
+from zerospeed.zero.swapped import SwappedOptimizerState
 
 SUPPORTED_OPTIMIZERS: tuple[type, ...] = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD,
                                           torch.optim.Adagrad, Lamb, CPUOptimizer)
@@ -83,6 +85,8 @@ class ZeroOptimizer:
         self.optimizer: torch.optim.Optimizer | None = None
         # seconds of the last step: the update on the calling thread, casting and gathering the shards
         self.times = {"update": 0.0, "publish": 0.0}
+        self.store = store
+        self.swapped: SwappedOptimizerState | None = None  # NVMe-tier units, built by adopt()
 
     # -- wiring -----------------------------------------------------------------------------
     def adopt(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -105,7 +109,32 @@ class ZeroOptimizer:
                 raise NotImplementedError("Lamb's max_grad_norm under ZeRO: use gradient_clipping instead")
             optimizer.norm_reducer = self.reduce_piece_norms
         self.optimizer = optimizer
+        nvme = [u for u, tier in enumerate(self.tiers) if tier.name == "nvme"]
+        if nvme:
+            self._swap_to_nvme(optimizer, nvme)
         return optimizer
+
+    def _swap_to_nvme(self, optimizer: torch.optim.Optimizer, units: list[int]) -> None:
+        """Move the masters and (created now) optimizer states of ``units`` into swap files."""
+        from zerospeed.offload.nvme import RunDirectory
+        from zerospeed.ops.aio import AsyncIOHandle
+
+        assert self.store is not None
+        tier = self.tiers[units[0]]
+        assert tier.path is not None
+        handle = AsyncIOHandle.from_config(self.store.aio) if self.store.aio is not None else AsyncIOHandle()
+        run_id = self.comm.all_gather_object(uuid.uuid4().hex[:12])[0]  # one run directory, a subdirectory per rank
+        directory = RunDirectory(tier.path, run_id, self.comm.rank)
+        initial = {id(piece): optimizer.state.get(piece, {}) for piece, *_ in self._grad_slices}
+        swapped = SwappedOptimizerState(units, directory, handle, lookahead=self.store.nvme_lookahead)
+        try:
+            swapped.build(optimizer, self.masters, self._grad_slices, initial)
+        except BaseException:
+            swapped.close()
+            raise
+        self.swapped = swapped
+        for u in units:
+            self.units[u].master = self.masters[u]
 
     def _slice_state(self, state: dict, param: torch.Tensor, piece: nn.Parameter, group: dict) -> dict:
         start, end, numel = self._piece_range[id(piece)]
@@ -150,33 +179,49 @@ class ZeroOptimizer:
         if self.optimizer is None:
             raise RuntimeError("ZeroOptimizer.step before adopt(): no optimizer to run")
         todo = [u for u in range(len(self.units)) if u not in done]
-        self._attach_grads({u: grad_shards[u] for u in todo})
         publisher = _Publisher(self.allgather_bucket_elems, self.times)
         self.times.update(update=0.0, publish=0.0)
         copy_out = self.copy_out_targets(todo)
         copied = set(copied) | set(copy_out or {})
         try:
-            if isinstance(self.optimizer, Lamb) or not any(unit.persistent for unit in self.units):
+            at_once = isinstance(self.optimizer, Lamb) or not any(unit.persistent for unit in self.units)
+            if at_once and self.swapped is None:
+                self._attach_grads({u: grad_shards[u] for u in todo})
                 self.times["update"] += self._step_groups(copy_out)
                 for u, (unit, master) in enumerate(zip(self.units, self.masters)):
                     publisher.publish(unit, master, copied=u in copied)
             else:
-                groups = self.optimizer.param_groups
-                everything = [group["params"] for group in groups]
-                try:
-                    for u, (unit, master) in enumerate(zip(self.units, self.masters)):
-                        if u not in done:
-                            mine = self._unit_pieces[u]
-                            for group, params in zip(groups, everything):
-                                group["params"] = [p for p in params if id(p) in mine]
-                            self.times["update"] += self._step_groups(copy_out)
-                        publisher.publish(unit, master, copied=u in copied)
-                finally:
-                    for group, params in zip(groups, everything):
-                        group["params"] = params
+                self._step_unit_by_unit(grad_shards, done, copied, copy_out, publisher)
             publisher.wait_all()
         finally:
             self._detach_grads(todo)
+
+    def _step_unit_by_unit(self, grad_shards: Sequence[torch.Tensor], done: frozenset[int] | set[int],
+                           copied: set[int], copy_out: dict[int, dict[int, torch.Tensor]] | None,
+                           publisher: "_Publisher") -> None:
+        """Update and publish one unit at a time: each unit's all-gather overlaps the next update, and
+        NVMe-tier units stream through memory (read ahead, written back behind)."""
+        assert self.optimizer is not None
+        groups = self.optimizer.param_groups
+        everything = [group["params"] for group in groups]
+        order = range(len(self.units))
+        stream = self.swapped.stream(order) if self.swapped is not None else iter(order)
+        try:
+            for u in stream:
+                unit, master = self.units[u], self.masters[u]
+                if u not in done:
+                    self._attach_grads({u: grad_shards[u]})
+                    mine = self._unit_pieces[u]
+                    for group, params in zip(groups, everything):
+                        group["params"] = [p for p in params if id(p) in mine]
+                    self.times["update"] += self._step_groups(copy_out)
+                    self._detach_grads([u])
+                swapped = self.swapped is not None and self.swapped.swapped(u)
+                # a swapped master is released after this: copy out of it before moving on
+                publisher.publish(unit, master, copied=u in copied, blocking=swapped)
+        finally:
+            for group, params in zip(groups, everything):
+                group["params"] = params
 
     def step_units(self, units: Sequence[int], grads: dict[int, torch.Tensor],
                    copy_out: dict[int, dict[int, torch.Tensor]] | None) -> None:
@@ -255,19 +300,20 @@ class _Publisher:
         self.live = 0
         self.times = times  # "publish" accumulates the seconds spent here
 
-    def publish(self, unit: FlatParamUnit, master: torch.Tensor, copied: bool = False) -> None:
-        """``copied``: the optimizer already wrote the compute-dtype shard (a CPU optimizer's copy-out)."""
+    def publish(self, unit: FlatParamUnit, master: torch.Tensor, copied: bool = False, blocking: bool = False) -> None:
+        """``copied``: the optimizer already wrote the compute-dtype shard (a CPU optimizer's copy-out);
+        ``blocking``: the master is released right after (NVMe), so its copy must be complete."""
         start = time.perf_counter()
         try:
-            self._publish(unit, master, copied)
+            self._publish(unit, master, copied, blocking)
         finally:
             self.times["publish"] += time.perf_counter() - start
 
-    def _publish(self, unit: FlatParamUnit, master: torch.Tensor, copied: bool) -> None:
+    def _publish(self, unit: FlatParamUnit, master: torch.Tensor, copied: bool, blocking: bool) -> None:
         with torch.no_grad():
             if master is not unit.shard and not copied:
                 # from offloaded (pinned) masters to the device: asynchronous, ordered before the all-gather
-                unit.shard.copy_(master, non_blocking=master.device != unit.shard.device)
+                unit.shard.copy_(master, non_blocking=master.device != unit.shard.device and not blocking)
         if not unit.persistent:
             return
         while self.in_flight and self.live + unit.numel > self.bucket_elems:

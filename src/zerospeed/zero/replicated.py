@@ -7,7 +7,8 @@ engine drives through the same calls (``begin_backward`` / ``end_backward`` / ``
 
 from __future__ import annotations
 
-from typing import Iterator
+import contextlib
+from typing import ContextManager, Iterator
 
 import torch
 from torch import nn
@@ -93,6 +94,10 @@ class ReplicatedState:
         self.buckets.zero()
 
     # -- memory -----------------------------------------------------------------------------
+    def resident_state(self, units: list[int] | None = None, write_back: bool = False) -> ContextManager[None]:
+        """Everything is always in memory here."""
+        return contextlib.nullcontext()
+
     def memory_breakdown(self) -> dict[str, int]:
         params = storage_bytes(list(self.module.parameters()))
         grads = storage_bytes(self.buckets.flat_buffers())

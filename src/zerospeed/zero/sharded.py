@@ -8,9 +8,10 @@ module (stage 3). The engine drives it exactly like :class:`ReplicatedState`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from typing import Any, Iterator
+from typing import Any, ContextManager, Iterator
 
 import torch
 from torch import nn
@@ -169,6 +170,14 @@ class ShardedState:
         """Wait for early optimizer jobs before masters or states are read or written from outside."""
         self.eager.wait()
 
+    def resident_state(self, units: list[int] | None = None, write_back: bool = False) -> ContextManager[None]:
+        """Masters and optimizer states of ``units`` (default: all) in memory inside the block (the
+        NVMe tier reads them, and writes them back after when ``write_back``; others: nothing to do)."""
+        swapped = self.zero_optimizer.swapped
+        if swapped is None:
+            return contextlib.nullcontext()
+        return swapped.resident(units, write_back=write_back)
+
     # -- queries ----------------------------------------------------------------------------
     def unit_of(self, param: nn.Parameter) -> tuple[FlatParamUnit, int]:
         for unit in self.units:
@@ -186,7 +195,8 @@ class ShardedState:
     def full_fp32(self, unit_index: int, index: int) -> torch.Tensor:
         self.settle()
         unit = self.units[unit_index]
-        return unit.param_slice(unit.gather_shard_values(self.zero_optimizer.masters[unit_index]), index).float()
+        with self.resident_state([unit_index]):
+            return unit.param_slice(unit.gather_shard_values(self.zero_optimizer.masters[unit_index]), index).float()
 
     def full_grad(self, unit_index: int, index: int) -> torch.Tensor | None:
         unit = self.units[unit_index]
@@ -200,11 +210,12 @@ class ShardedState:
         shard = torch.zeros(unit.plan.shard_numel, dtype=torch.float32, device=unit.full.device)
         found = torch.zeros(1, device=unit.full.device)  # collectives run on the compute device
         optimizer = self.zero_optimizer.optimizer
-        for piece, u, offset, numel in self.zero_optimizer.pieces():
-            value = optimizer.state.get(piece, {}).get(key) if optimizer is not None else None
-            if u == unit_index and isinstance(value, torch.Tensor) and value.numel() == numel:
-                shard[offset: offset + numel].copy_(value.reshape(-1))
-                found += 1
+        with self.resident_state([unit_index]):
+            for piece, u, offset, numel in self.zero_optimizer.pieces():
+                value = optimizer.state.get(piece, {}).get(key) if optimizer is not None else None
+                if u == unit_index and isinstance(value, torch.Tensor) and value.numel() == numel:
+                    shard[offset: offset + numel].copy_(value.reshape(-1))
+                    found += 1
         self.comm.all_reduce(found)
         if not found.item() or not unit.trainable[index]:
             return None
@@ -219,7 +230,7 @@ class ShardedState:
         if tuple(value.shape) != slot.shape:
             raise ValueError(f"{slot.name}: value has shape {tuple(value.shape)}, the parameter {slot.shape}")
         flat = value.detach().reshape(-1)
-        with torch.no_grad():
+        with torch.no_grad(), self.resident_state([unit_index], write_back=True):
             for piece in unit.plan.pieces(self.comm.rank):
                 if piece.param == slot.name:
                     part = flat[piece.start: piece.end]
@@ -256,7 +267,8 @@ class ShardedState:
             held += [unit.shard for unit in self.units if not unit.persistent]
         if not self.grads.sharding.keep_full:  # stages 2-3 keep gradient shards in the optimizer's tier
             held += [g.shard for g, tier in zip(self.grads.units, zopt.tiers) if tier != compute]
-        return storage_bytes(held)
+        on_nvme = sum(zopt.swapped.slabs.nbytes) if zopt.swapped is not None and zopt.swapped.slabs else 0
+        return storage_bytes(held) + on_nvme
 
     # -- checkpoints -------------------------------------------------------------------------
     def checkpoint_params(self) -> list[ParamInfo]:
@@ -302,6 +314,8 @@ class ShardedState:
     def remove_hooks(self) -> None:
         self.grads.remove_hooks()
         self.eager.close()
+        if self.zero_optimizer.swapped is not None:
+            self.zero_optimizer.swapped.close()
         if self.coordinator is not None:
             self.coordinator.remove_hooks()
 
@@ -318,7 +332,7 @@ class ShardedState:
 
 
 def offloads_optimizer(zero_cfg: Any) -> bool:
-    return zero_cfg.offload_optimizer.device == OffloadDevice.CPU
+    return zero_cfg.offload_optimizer.device in (OffloadDevice.CPU, OffloadDevice.NVME)
 
 
 class UnitParamRef:

@@ -1,0 +1,130 @@
+"""Optimizer state on NVMe: a unit's fp32 master and per-element optimizer states as one swapped slab.
+
+For each unit in the NVMe tier, the master and every per-element state of its pieces (Adam's
+``exp_avg`` and ``exp_avg_sq``, Adagrad's ``sum``, Lion's ``exp_avg``) are laid out in one flat
+fp32 slab — ``[master | state 1 | state 2 ...]``, each region shard-sized, pieces at their shard
+offsets — so the unit moves to and from its file in one request each way. The optimizer's pieces
+and state tensors are views of the slab (attached to it: empty while it is swapped out), so the
+optimizer, checkpoints and ``safe_get_full_*`` see ordinary tensors whenever the unit is resident.
+
+The states must exist before the first step (an optimizer creates them lazily, in memory, which is
+what NVMe offload must avoid), so only optimizers whose per-element states are known are supported:
+they are created here as zeros, exactly as those optimizers would create them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from zerospeed.offload.nvme import RunDirectory, SwappedSlabs
+from zerospeed.ops.adagrad import CPUAdagrad
+from zerospeed.ops.adam import CPUAdam
+from zerospeed.ops.lion import CPULion
+
+
+def per_element_states(optimizer: torch.optim.Optimizer) -> tuple[tuple[str, ...], dict[str, Any]]:
+    """``(state keys holding one value per element, scalar states)`` a fresh state of ``optimizer``
+    has; raises for optimizers whose state is not known up front."""
+    if isinstance(optimizer, (CPUAdam, torch.optim.Adam, torch.optim.AdamW)):
+        if any(group.get("amsgrad") for group in optimizer.param_groups):
+            raise NotImplementedError("offload_optimizer.device nvme with amsgrad: not supported; drop amsgrad")
+        return ("exp_avg", "exp_avg_sq"), {"step": 0.0}
+    if isinstance(optimizer, (CPUAdagrad, torch.optim.Adagrad)):
+        return ("sum",), {"step": 0.0}
+    if isinstance(optimizer, CPULion):
+        return ("exp_avg",), {"step": 0.0}
+    raise NotImplementedError(f"offload_optimizer.device nvme: {type(optimizer).__name__}'s state is not known "
+                              f"before its first step; use Adam/AdamW (CPUAdam), Adagrad or Lion, or offload to "
+                              f"the CPU instead")
+
+
+class SwappedOptimizerState:
+    """The NVMe-tier units of a :class:`ZeroOptimizer`: their masters and states live in slab files."""
+
+    def __init__(self, units: Sequence[int], directory: RunDirectory, aio: Any, lookahead: int = 1):
+        self.units = list(units)
+        self.directory = directory
+        self.aio = aio
+        self.lookahead = lookahead
+        self.slabs: SwappedSlabs | None = None
+        self._slab_of: dict[int, int] = {}  # unit index -> slab index
+
+    def build(self, optimizer: torch.optim.Optimizer, masters: list[torch.Tensor],
+              pieces: Sequence[tuple[torch.nn.Parameter, int, int, int]], initial_states: dict[int, dict]) -> None:
+        """Move the units' masters into slabs, create the optimizer's states there, and swap them out.
+
+        ``pieces``: ``(piece, unit, offset, numel)``; ``initial_states``: id(piece) -> a state the
+        optimizer already holds (Adagrad's accumulators from construction), copied into the slab.
+        """
+        keys, scalars = per_element_states(optimizer)
+        slabs, attached = [], []
+        for s, u in enumerate(self.units):
+            master = masters[u]
+            n = master.numel()
+            slab = torch.zeros((1 + len(keys)) * n, dtype=torch.float32)
+            slab[:n].copy_(master)
+            views: list[torch.Tensor] = [slab[:n]]
+            masters[u] = slab[:n]
+            for piece, pu, offset, numel in pieces:
+                if pu != u:
+                    continue
+                with torch.no_grad():
+                    piece.data = slab[offset: offset + numel]
+                views.append(piece)
+                old = initial_states.get(id(piece), {})
+                state = {key: torch.tensor(value) for key, value in scalars.items()}
+                for k, key in enumerate(keys):
+                    region = slab[(1 + k) * n + offset: (1 + k) * n + offset + numel]
+                    if isinstance(old.get(key), torch.Tensor) and old[key].numel() == numel:
+                        region.copy_(old[key].reshape(-1))
+                    state[key] = region
+                    views.append(region)
+                optimizer.state[piece] = state
+            self._slab_of[u] = s
+            slabs.append(slab)
+            attached.append(views)
+        self.slabs = SwappedSlabs(slabs, self.directory, self.aio, lookahead=self.lookahead, name="unit",
+                                  attach=attached)
+
+    def swapped(self, unit_index: int) -> bool:
+        return unit_index in self._slab_of
+
+    def stream(self, order: Sequence[int], write_back: bool = True) -> Iterator[int]:
+        """Yield the units of ``order`` in turn, each resident while the consumer holds it (units of
+        other tiers pass straight through)."""
+        assert self.slabs is not None
+        swapped = [u for u in order if u in self._slab_of]
+        inner = self.slabs.stream([self._slab_of[u] for u in swapped], write_back=write_back)
+        try:
+            for u in order:
+                if u in self._slab_of:
+                    next(inner)
+                yield u
+            for _ in inner:  # let the stream finish its last write-back
+                pass
+        finally:
+            inner.close()
+
+    @contextlib.contextmanager
+    def resident(self, units: Sequence[int] | None = None, write_back: bool = False) -> Iterator[None]:
+        """The given units (default: all) resident inside the block; written back after it only when
+        ``write_back`` (something changed them: a checkpoint load, ``safe_set_full_fp32_param``)."""
+        assert self.slabs is not None
+        wanted = [self._slab_of[u] for u in (self.units if units is None else units) if u in self._slab_of]
+        with self.slabs.resident_during(wanted, write_back=write_back):
+            yield
+
+    @property
+    def bytes_moved(self) -> tuple[int, int]:
+        """(bytes read, bytes written) so far."""
+        return (self.slabs.bytes_read, self.slabs.bytes_written) if self.slabs is not None else (0, 0)
+
+    def close(self) -> None:
+        """Release the slabs, stop the I/O threads and delete the swap files."""
+        if self.slabs is not None:
+            self.slabs.close()
+        self.aio.close()
+        self.directory.close()
