@@ -35,7 +35,6 @@ from typing import Callable
 import torch
 
 from zerospeed.checkpoint.layout import fsync_dir
-
 from zerospeed.ops.aio import AsyncIOHandle
 
 MIB = 1 << 20

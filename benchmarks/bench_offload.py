@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import sys
 import time
 from pathlib import Path
@@ -46,18 +47,22 @@ import torch  # noqa: E402
 import _gpt_bench as gb  # noqa: E402
 
 WORLD = 2
-CONFIGS = ("zero2", "zero2+offload", "zero2+overlap", "zero3", "zero3+offload", "zero3+overlap")
+CONFIGS = ("zero2", "zero2+offload", "zero2+overlap", "zero2+nvme", "zero3", "zero3+offload", "zero3+overlap",
+           "zero3+nvme")
 PHASES = ("forward", "backward", "step", "update", "early_update", "early_under_backward", "early_wait",
           "publish", "total")
 
 
-def _config(name: str, spec: dict, sub_group: int) -> dict:
+def _config(name: str, spec: dict, sub_group: int, nvme_dir: str) -> dict:
     stage = int(name[4])
     zero: dict = {"stage": stage, "sub_group_size": sub_group}
     if "+" in name:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         if stage == 3:
             zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    if name.endswith("+nvme"):
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_dir, "pipeline_read": True,
+                                     "pipeline_write": True, "buffer_count": 4}
     return {"train_micro_batch_size_per_gpu": spec["batch"], "gradient_accumulation_steps": 1,
             "optimizer": {"type": "AdamW", "params": {k: list(v) if isinstance(v, tuple) else v
                                                       for k, v in gb.ADAMW.items()}},
@@ -65,7 +70,7 @@ def _config(name: str, spec: dict, sub_group: int) -> dict:
             "zero_optimization": zero, "steps_per_print": 10**9}
 
 
-def run_rank(name: str, spec: dict, sub_group: int, steps: int, warmup: int) -> dict:
+def run_rank(name: str, spec: dict, sub_group: int, steps: int, warmup: int, nvme_dir: str) -> dict:
     """One rank: train ``warmup + steps`` steps, timing each phase."""
     import logging
 
@@ -75,10 +80,13 @@ def run_rank(name: str, spec: dict, sub_group: int, steps: int, warmup: int) -> 
     quiet.setLevel(logging.WARNING)
     logging.getLogger("zerospeed").addHandler(quiet)
     rank = torch.distributed.get_rank()
-    engine, optimizer, _, _ = zerospeed.initialize(model=gb.build_model(spec), config=_config(name, spec, sub_group))
+    engine, optimizer, _, _ = zerospeed.initialize(model=gb.build_model(spec),
+                                                   config=_config(name, spec, sub_group, nvme_dir))
+    swapped = engine.state.zero_optimizer.swapped
     x, y = gb.make_batch(spec, rank)
     rows, losses = [], []
     for i in range(warmup + steps):
+        moved = swapped.bytes_moved if swapped is not None else (0, 0)
         t0 = time.perf_counter()
         loss = engine(x, y)
         t1 = time.perf_counter()
@@ -89,11 +97,15 @@ def run_rank(name: str, spec: dict, sub_group: int, steps: int, warmup: int) -> 
         losses.append(float(loss.detach().float()))
         if i >= warmup:
             times = engine.state.last_step_times
+            after = swapped.bytes_moved if swapped is not None else (0, 0)
             rows.append({"forward": t1 - t0, "backward": t2 - t1, "step": t3 - t2, "total": t3 - t0,
+                         "read_bytes": after[0] - moved[0], "written_bytes": after[1] - moved[1],
                          **{k: times.get(k, 0.0) for k in ("update", "early_update", "early_under_backward",
                                                            "early_wait", "publish")}})
-    return {"rows": rows, "losses": losses, "optimizer": type(optimizer).__name__,
-            "how": engine.state.describe_offload(), "hwm_mib": gb.vm_hwm_mib()}
+    out = {"rows": rows, "losses": losses, "optimizer": type(optimizer).__name__,
+           "how": engine.state.describe_offload(), "hwm_mib": gb.vm_hwm_mib()}
+    engine.destroy()  # removes the NVMe swap files
+    return out
 
 
 def _summarize(per_rank: list[dict]) -> dict:
@@ -104,6 +116,8 @@ def _summarize(per_rank: list[dict]) -> dict:
     hidden = [row["early_under_backward"] / (row["early_update"] + row["update"])
               if row["early_update"] + row["update"] else 0.0 for row in slowest]
     out["hidden"] = statistics.median(hidden)
+    out["read_bytes"] = statistics.median(row["read_bytes"] for row in slowest)
+    out["written_bytes"] = statistics.median(row["written_bytes"] for row in slowest)
     return out
 
 
@@ -121,6 +135,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--sub-group", type=int, default=8_000_000, help="sub_group_size (elements per sub-group)")
     parser.add_argument("--quick", action="store_true", help="a small model and 3 steps (make bench)")
+    parser.add_argument("--nvme-dir", default=None, help="where the +nvme runs swap (default: a temporary "
+                                                        "directory under the current one, removed after)")
     args = parser.parse_args()
     if args.quick:
         args.layers, args.width, args.vocab, args.steps, args.warmup = 4, 256, 4096, 3, 1
@@ -135,11 +151,13 @@ def main() -> None:
 
     from zerospeed.testing import run_distributed
 
+    scratch = tempfile.TemporaryDirectory(prefix="bench-offload-nvme-", dir=".") if args.nvme_dir is None else None
+    nvme_dir = args.nvme_dir or scratch.name  # type: ignore[union-attr]
     results = {}
     for name in configs:
         try:
             per_rank = run_distributed(run_rank, WORLD, name, spec, args.sub_group, args.steps, args.warmup,
-                                       timeout=1800, threads_per_rank=1)
+                                       nvme_dir, timeout=1800, threads_per_rank=1)
         except Exception as exc:  # noqa: BLE001 - report and go on with the other configurations
             print(f"{name}: failed: {exc}")
             continue
@@ -163,6 +181,15 @@ def main() -> None:
         if base and off:
             print(f"{stage}: offload vs optimizer on the device: whole step {base['total']:.4f} -> "
                   f"{off['total']:.4f} s ({base['total'] / off['total']:.2f}x)")
+    for name, r in results.items():
+        if name.endswith("+nvme"):
+            step_io = (r["read_bytes"] + r["written_bytes"]) / 1e9
+            print(f"{name}: per step and rank {r['read_bytes'] / 1e9:.3f} GB read + {r['written_bytes'] / 1e9:.3f} GB "
+                  f"written in a {r['step']:.3f} s step() ({step_io / r['step']:.2f} GB/s); whole step "
+                  f"{r['total']:.3f} s vs {results[name[:5] + '+offload']['total']:.3f} s with CPU offload"
+                  if name[:5] + "+offload" in results else f"{name}: {step_io:.3f} GB moved per step")
+    if scratch is not None:
+        scratch.cleanup()
     for stage in ("zero2", "zero3"):
         runs = {s: results[stage + s]["losses"] for s in ("", "+offload") if stage + s in results}
         if len(runs) == 2:  # bf16: CPUAdam and torch's AdamW round differently, the losses stay close

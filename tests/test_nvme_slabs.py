@@ -51,6 +51,28 @@ class ImmediateIO:
         done, self.pending = self.pending, 0
         return done
 
+    def submit_pread(self, tensor: torch.Tensor, path: str, offset: int = 0) -> "Done":
+        self.async_pread(tensor, path, offset)
+        return Done(self.log, Path(path).name)
+
+    def submit_pwrite(self, tensor: torch.Tensor, path: str, offset: int = 0) -> "Done":
+        self.async_pwrite(tensor, path, offset)
+        return Done(self.log, Path(path).name)
+
+
+class Done:
+    """A request that finished when it was submitted; logs when someone waits for it."""
+
+    def __init__(self, log: list[tuple[str, str]], name: str):
+        self.log, self.name = log, name
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> int:
+        self.log.append(("wait", self.name))
+        return 0
+
 
 def _tensors(sizes: list[int]) -> list[torch.Tensor]:
     return [torch.arange(n, dtype=torch.float32) + 1000 * i for i, n in enumerate(sizes)]
@@ -94,12 +116,15 @@ def test_stream_reads_ahead_writes_back_and_bounds_residency(tmp_path: Path) -> 
     for i in slabs.stream([0, 1, 2, 3, 4, 5]):
         peak = max(peak, sum(slabs.resident))
         slabs.slabs[i].mul_(2)
+        io.log.append(("use", str(i)))
     assert peak <= 3  # the one in use, the one read ahead, the one being written back
     assert not any(slabs.resident)
     reads = [name for kind, name in io.log if kind == "read"]
     assert reads == [f"slab{i}.bin" for i in range(6)]
-    # slab 1 was read before slab 0 was written back: reading ahead overlaps the use
-    assert io.log.index(("read", "slab1.bin")) < io.log.index(("write", "slab0.bin"))
+    # slab 1's read is submitted before slab 0 is used and waited for only after: it overlaps the use
+    assert io.log.index(("read", "slab1.bin")) < io.log.index(("use", "0")) < io.log.index(("wait", "slab1.bin"))
+    # slab 0's write is submitted after its use and not waited for before slab 1 is used
+    assert io.log.index(("use", "0")) < io.log.index(("write", "slab0.bin")) < io.log.index(("use", "1"))
     slabs.swap_in(range(6))
     for i in range(6):
         assert torch.equal(slabs.slabs[i], originals[i] * 2)

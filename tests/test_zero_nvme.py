@@ -116,3 +116,50 @@ def test_swap_files_are_removed_when_the_process_exits(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "1"  # the slab's file existed while the process ran
     assert list(tmp_path.iterdir()) == []
+
+
+def _bf16_edits_and_loads(root: str) -> list[Any]:
+    """bf16, stage 3: NVMe equals CPU offload exactly (same CPUAdam, same data); a GatheredParameters
+    edit reaches the swapped master; a checkpoint loads into an NVMe engine."""
+    def config(device: str) -> dict[str, Any]:
+        cfg = _config(3, None)
+        cfg["bf16"] = {"enabled": True}
+        cfg["zero_optimization"]["offload_optimizer"] = (
+            {"device": "cpu"} if device == "cpu" else {"device": "nvme", "nvme_path": root})
+        return cfg
+
+    def run(engine: Any) -> None:
+        rank = torch.distributed.get_rank()
+        for step in range(4):
+            g = torch.Generator().manual_seed(step + 10 * rank)
+            engine.backward(engine(torch.randn(2, 12, generator=g).bfloat16()).float().pow(2).mean())
+            engine.step()
+
+    cpu, *_ = zerospeed.initialize(model=_model(), config=config("cpu"))
+    nvme, *_ = zerospeed.initialize(model=_model(), config=config("nvme"))
+    run(cpu)
+    run(nvme)
+    same = _full_state(cpu) == _full_state(nvme)
+    first = next(nvme.module.parameters())
+    with zerospeed.zero.GatheredParameters(first, modifier_rank=0):
+        with torch.no_grad():
+            first.fill_(0.25)
+    edited = bool((zerospeed.utils.safe_get_full_fp32_param(first) == 0.25).all())
+    cpu.save_checkpoint(os.path.join(root, "ckpt"), tag="t")
+    loaded, *_ = zerospeed.initialize(model=_model(), config=config("nvme"))
+    loaded.load_checkpoint(os.path.join(root, "ckpt"), tag="t")
+    reloaded = _full_state(loaded) == _full_state(cpu)
+    run(cpu)
+    run(loaded)  # and training goes on identically from there
+    continued = _full_state(loaded) == _full_state(cpu)
+    for engine in (nvme, loaded):
+        engine.destroy()
+    return [same, edited, reloaded, continued]
+
+
+def test_nvme_bf16_edits_and_loading_into_an_nvme_engine(tmp_path: Path) -> None:
+    for rank, (same, edited, reloaded, continued) in enumerate(run_distributed(_bf16_edits_and_loads, 2,
+                                                                                str(tmp_path), timeout=300)):
+        assert same, f"rank {rank}: NVMe and CPU offload differ in bf16"
+        assert edited, f"rank {rank}: a GatheredParameters edit did not reach the swapped master"
+        assert reloaded and continued, f"rank {rank}: loading into an NVMe engine (reloaded={reloaded})"

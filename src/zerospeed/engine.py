@@ -241,8 +241,9 @@ class Engine(nn.Module):
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds now, measured from the allocated tensors: ``params``, ``grads`` and
         ``optimizer_states`` (fp32 masters included), their ``total`` (model states), and ``buffers``
-        (gathered stage-3 parameters and in-flight gradient buckets, not model state), and how many
-        of the model-state bytes are ``offloaded`` (held in CPU memory by ``offload_*``)."""
+        (gathered stage-3 parameters and in-flight gradient buckets, not model state), how many of
+        the model-state bytes are ``offloaded`` (held in CPU memory by ``offload_*``), and the bytes
+        kept ``on_nvme`` (swap files; in memory only while a unit is updated)."""
         return self.state.memory_breakdown()
 
     def empty_partition_cache(self) -> None:

@@ -27,6 +27,8 @@ from typing import Iterable, Mapping
 
 import torch
 
+from zerospeed.tensor_bytes import tensor_bytes
+
 DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -123,11 +125,12 @@ class StreamingWriter:
         data = chunk.detach().reshape(-1)
         if data.device.type != "cpu":
             data = data.cpu()
-        raw = data.contiguous().view(torch.uint8).numpy()
+        data = data.contiguous()
+        raw = tensor_bytes(data)
         if self._written + raw.nbytes > expected.end:
             raise ValueError(f"{self.path}: tensor {expected.name!r} overflows its "
                              f"{expected.end - expected.begin} bytes")
-        self._write_all(memoryview(raw))
+        self._write_all(raw)
         self._written += raw.nbytes
 
     def _current_entry(self) -> TensorEntry:
@@ -229,13 +232,13 @@ class SafetensorsReader:
         itemsize = torch.empty(0, dtype=entry.dtype).element_size()
         offset = self._data_start + entry.begin + start * itemsize
         if entry.dtype == out.dtype:
-            self._pread_into(flat.view(torch.uint8).numpy(), offset)
+            self._pread_into(tensor_bytes(flat), offset)
             return
         step = max(CHUNK_BYTES // itemsize, 1)
         buffer = torch.empty(min(step, flat.numel()), dtype=entry.dtype)
         for lo in range(0, flat.numel(), step):
             part = buffer[: min(step, flat.numel() - lo)]
-            self._pread_into(part.view(torch.uint8).numpy(), offset + lo * itemsize)
+            self._pread_into(tensor_bytes(part), offset + lo * itemsize)
             flat[lo: lo + part.numel()].copy_(part)
 
     def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:

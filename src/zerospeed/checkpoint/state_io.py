@@ -143,7 +143,9 @@ def restore_optimizer_states(slots: Sequence[Slot], optimizer: torch.optim.Optim
             for slot in group:
                 ckpt.read_range(kind, param, slot.start, slot.end,
                                 values[slot.key_offset: slot.key_offset + slot.numel])
-            entry[kind.removeprefix(OPTIM_PREFIX)] = values.view(key_tensor.shape)
+            # a refilled tensor stays the same object (an NVMe slab keeps its attached views)
+            refilled = values.data_ptr() == getattr(current, "data_ptr", lambda: -1)() and current.shape == key_tensor.shape
+            entry[kind.removeprefix(OPTIM_PREFIX)] = current if refilled else values.view(key_tensor.shape)
         for key, value in scalars.get(param, {}).items():
             entry[key] = _decode_scalar(value, key_tensor)
         if entry:

@@ -85,27 +85,44 @@ class SwappedSlabs:
     def __init__(self, slabs: Sequence[torch.Tensor], directory: RunDirectory, aio: Any, *, lookahead: int = 1,
                  name: str = "slab", attach: Sequence[Sequence[torch.Tensor]] | None = None):
         """``slabs``: the flat, contiguous CPU tensors to manage; ``attach[i]``: views of slab ``i`` to
-        keep pointing into it (see :meth:`attach`). Everything is written out at once and released."""
-        for i, slab in enumerate(slabs):
-            if slab.dim() != 1 or not slab.is_contiguous() or slab.device.type != "cpu":
-                raise ValueError(f"{name} {i}: swapped slabs must be flat contiguous CPU tensors, got shape "
-                                 f"{tuple(slab.shape)} on {slab.device}")
-        self.slabs = list(slabs)
+        keep pointing into it (see :meth:`attach`). Each is written out and released; more can be
+        :meth:`add`-ed one at a time (so they need not all be in memory together)."""
         self.directory = directory
         self.aio = aio
         self.lookahead = max(int(lookahead), 0)
-        self.nbytes = [s.numel() * s.element_size() for s in self.slabs]
-        self.paths = [directory.file(f"{name}{i}.bin") for i in range(len(self.slabs))]
-        directory.check_room(sum(self.nbytes), f"swapping {len(self.slabs)} {name}s")
-        self.resident = [True] * len(self.slabs)
-        self.views: list[list[tuple[torch.Tensor, int, tuple[int, ...]]]] = [[] for _ in self.slabs]
-        self._empty = torch.empty(0, dtype=self.slabs[0].dtype) if self.slabs else torch.empty(0)
+        self.name = name
+        self.slabs: list[torch.Tensor] = []
+        self.nbytes: list[int] = []
+        self.paths: list[Path] = []
+        self.resident: list[bool] = []
+        self.views: list[list[tuple[torch.Tensor, int, tuple[int, ...]]]] = []
+        self._empty: dict[torch.dtype, torch.Tensor] = {}
         self.bytes_read = 0
         self.bytes_written = 0
-        for i, views in enumerate(attach or {}):
-            for view in views:
-                self.attach(i, view)
-        self.swap_out(range(len(self.slabs)))
+        directory.check_room(sum(s.numel() * s.element_size() for s in slabs), f"swapping {len(slabs)} {name}s")
+        attach = list(attach or [])
+        for i, slab in enumerate(slabs):
+            self.add(slab, attach[i] if i < len(attach) else (), check_room=False)
+
+    def add(self, slab: torch.Tensor, views: Sequence[torch.Tensor] = (), check_room: bool = True) -> int:
+        """Manage one more slab (with its attached ``views``): written to its file now and released.
+        Returns its index."""
+        index = len(self.slabs)
+        if slab.dim() != 1 or not slab.is_contiguous() or slab.device.type != "cpu":
+            raise ValueError(f"{self.name} {index}: swapped slabs must be flat contiguous CPU tensors, got shape "
+                             f"{tuple(slab.shape)} on {slab.device}")
+        nbytes = slab.numel() * slab.element_size()
+        if check_room:
+            self.directory.check_room(nbytes, f"swapping {self.name} {index}")
+        self.slabs.append(slab)
+        self.nbytes.append(nbytes)
+        self.paths.append(self.directory.file(f"{self.name}{index}.bin"))
+        self.resident.append(True)
+        self.views.append([])
+        for view in views:
+            self.attach(index, view)
+        self.swap_out([index])
+        return index
 
     def attach(self, index: int, view: torch.Tensor) -> None:
         """Keep ``view`` (a tensor viewing slab ``index``, e.g. an optimizer state) pointing into the
@@ -130,80 +147,116 @@ class SwappedSlabs:
                 view.data = slab[offset: offset + _numel(shape)].view(shape)
 
     def _release(self, i: int) -> None:
+        dtype = self.slabs[i].dtype
+        empty = self._empty.setdefault(dtype, torch.empty(0, dtype=dtype))
         for view, _, _ in self.views[i]:
-            view.data = self._empty
+            view.data = empty
         self.slabs[i].untyped_storage().resize_(0)
         self.resident[i] = False
 
     def swap_in(self, indices: Iterable[int]) -> None:
-        """Make slabs resident (read, waited for)."""
+        """Make slabs resident (read, waited for). If a read fails, the slabs being read are released
+        again (their files are unchanged) and the error is raised."""
         wanted = [i for i in indices if not self.resident[i]]
-        for i in wanted:
-            self._start_read(i)
-        self.aio.wait()
+        requests = [(i, self._start_read(i)) for i in wanted]
+        self._wait_reads(requests)
 
     def swap_out(self, indices: Iterable[int]) -> None:
-        """Write slabs back and release them (waited for)."""
+        """Write slabs back and release them (waited for). A slab whose write failed stays resident
+        (its values are the only good copy) and the error is raised."""
         wanted = [i for i in indices if self.resident[i]]
-        for i in wanted:
-            self._start_write(i)
-        self.aio.wait()
-        for i in wanted:
-            self._release(i)
+        requests = [(i, self._start_write(i)) for i in wanted]
+        self._wait_writes(requests)
 
-    def _start_read(self, i: int) -> None:
+    def _start_read(self, i: int) -> Any:
         self._allocate(i)
-        self.aio.async_pread(self.slabs[i], str(self.paths[i]), 0)
         self.resident[i] = True
         self.bytes_read += self.nbytes[i]
+        return self.aio.submit_pread(self.slabs[i], str(self.paths[i]), 0)
 
-    def _start_write(self, i: int) -> None:
-        self.aio.async_pwrite(self.slabs[i], str(self.paths[i]), 0)
+    def _start_write(self, i: int) -> Any:
         self.bytes_written += self.nbytes[i]
+        return self.aio.submit_pwrite(self.slabs[i], str(self.paths[i]), 0)
+
+    def _wait_reads(self, requests: list[tuple[int, Any]]) -> None:
+        errors = []
+        for i, request in requests:
+            try:
+                request.wait()
+            except OSError as exc:
+                errors.append(exc)
+                self._release(i)  # partly read: not to be used (the file still holds the values)
+        if errors:
+            raise errors[0]
+
+    def _wait_writes(self, requests: list[tuple[int, Any]]) -> None:
+        errors = []
+        for i, request in requests:
+            try:
+                request.wait()
+            except OSError as exc:
+                errors.append(exc)  # kept resident: the memory is the only good copy now
+            else:
+                self._release(i)
+        if errors:
+            raise errors[0]
 
     # -- passes -------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def resident_during(self, indices: Sequence[int], write_back: bool = True) -> Iterator[None]:
-        """Slabs resident inside the block (read-only use: ``write_back=False``), swapped out after."""
-        indices = list(indices)
-        self.swap_in(indices)
+        """Slabs resident inside the block (read-only use: ``write_back=False``); afterwards the ones
+        this block read are written back (if asked) and released, others stay as they were."""
+        loaded = [i for i in indices if not self.resident[i]]
+        self.swap_in(loaded)
         try:
             yield
         finally:
             if write_back:
-                self.swap_out(indices)
+                self.swap_out(loaded)
             else:
-                for i in indices:
+                for i in loaded:
                     self._release(i)
 
     def stream(self, order: Sequence[int], write_back: bool = True) -> Iterator[int]:
         """Yield each index of ``order`` once its slab is resident; after the consumer moves on, the
-        slab is written back (``write_back``) while the next one is used, then released. The next
-        ``lookahead`` slabs are read while one is in use. If the consumer fails, the slab it held is
-        released without being written, so its file keeps the values from before the pass."""
+        slab is written back (``write_back``) while the next ones are used, and released once written.
+        The next ``lookahead`` slabs are read while one is in use: only the read of the slab about
+        to be used is waited for, so I/O overlaps the consumer's work. If the consumer fails, the slab
+        it held is released without being written, so its file keeps the values from before the pass."""
         order = list(order)
         ahead = 0  # order[:ahead] have been started reading
-        writing: list[int] = []  # written back, released once the write is complete
+        reads: dict[int, Any] = {}
+        writes: list[tuple[int, Any]] = []
         try:
             for pos, i in enumerate(order):
                 while ahead < len(order) and ahead <= pos + self.lookahead:
-                    if not self.resident[order[ahead]]:
-                        self._start_read(order[ahead])
+                    j = order[ahead]
+                    if not self.resident[j]:
+                        reads[j] = self._start_read(j)
                     ahead += 1
-                self.aio.wait()  # this slab's read, reads started ahead, and the last write
-                for done in writing:
-                    self._release(done)
-                writing = []
+                if i in reads:
+                    self._wait_reads([(i, reads.pop(i))])
+                finished = [(j, w) for j, w in writes if w.done()]
+                writes = [(j, w) for j, w in writes if not w.done()]
+                self._wait_writes(finished)  # complete already: releases them (raises a failed write)
                 yield i
                 if write_back:
-                    self._start_write(i)
-                    writing.append(i)
+                    writes.append((i, self._start_write(i)))
                 else:
                     self._release(i)
+            self._wait_writes(writes)
+            writes = []
         finally:
-            self.aio.wait()
+            for i, request in reads.items():  # read ahead, never used
+                with contextlib.suppress(OSError):
+                    request.wait()
+                self._release(i)
+            pending, writes = writes, []
+            with contextlib.suppress(OSError):  # an error of its own is already on its way up
+                self._wait_writes(pending)
+            written = {j for j, _ in pending}
             for i in order:
-                if self.resident[i]:
+                if self.resident[i] and i not in written:
                     self._release(i)
 
     def close(self) -> None:

@@ -16,7 +16,6 @@ any size and offset.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
 from collections.abc import Mapping
@@ -28,6 +27,7 @@ import torch
 from zerospeed.accelerator import get_accelerator
 from zerospeed.ops.aio_file import (ALIGN, AioShortReadError, Piece, Scratch, Target, direct_block, move_piece,
                                     open_direct, open_for, plan_pieces, preallocate)
+from zerospeed.tensor_bytes import tensor_bytes
 
 __all__ = ["AsyncIOHandle", "AioShortReadError", "worker_count"]
 
@@ -40,6 +40,20 @@ def worker_count(queue_depth: int, intra_op_parallelism: int) -> int:
     benchmarks/bench_aio.py on a 2-core VM's virtio disk: 4, 8 and 32 threads all reach the device
     (~1.4 GB/s read, ~2.1 GB/s write) within run-to-run noise; 8 (the default depth) was best overall."""
     return max(intra_op_parallelism, queue_depth)
+
+
+class IORequest:
+    """One submitted transfer, waited for on its own (:meth:`AsyncIOHandle.submit_pread`)."""
+
+    def __init__(self, request: "_Request"):
+        self._request = request
+
+    def done(self) -> bool:
+        return self._request.done.is_set()
+
+    def wait(self) -> int:
+        """Block until the transfer ended; the bytes moved, or its error raised."""
+        return AsyncIOHandle._finish(self._request)
 
 
 class _Request:
@@ -139,6 +153,15 @@ class AsyncIOHandle:
         self._pending_add(self._submit("write", tensor, path, offset))
         return 0
 
+    def submit_pread(self, tensor: torch.Tensor, path: str | os.PathLike[str], offset: int = 0) -> IORequest:
+        """Like :meth:`async_pread`, but the request is waited for on its own (``request.wait()``), not by
+        :meth:`wait`: a pipeline can wait for the read it needs now while later ones are in flight."""
+        return IORequest(self._submit("read", tensor, path, offset))
+
+    def submit_pwrite(self, tensor: torch.Tensor, path: str | os.PathLike[str], offset: int = 0) -> IORequest:
+        """Like :meth:`async_pwrite`, waited for on its own (see :meth:`submit_pread`)."""
+        return IORequest(self._submit("write", tensor, path, offset))
+
     def sync_pread(self, tensor: torch.Tensor, path: str | os.PathLike[str], offset: int = 0) -> int:
         """Read and wait for this request only; returns the bytes read."""
         return self._finish(self._submit("read", tensor, path, offset))
@@ -158,7 +181,7 @@ class AsyncIOHandle:
             req.done.wait()
         errors = [req.error for req in requests if req.error is not None]
         if errors:
-            if len(errors) > 1:
+            if len(errors) > 1 and hasattr(errors[0], "add_note"):  # add_note: Python 3.11+
                 errors[0].add_note(f"{len(errors) - 1} more of the {len(requests)} requests also failed")
             raise errors[0]
         return len(requests)
@@ -332,9 +355,6 @@ def _tensor_bytes(tensor: torch.Tensor, op: str) -> memoryview:
     if tensor.layout != torch.strided or not tensor.is_contiguous():
         raise ValueError(f"async I/O {op} needs a contiguous tensor (got shape {tuple(tensor.shape)}, stride "
                          f"{tensor.stride()}); pass tensor.contiguous() (for a read, copy the result back)")
-    nbytes = tensor.numel() * tensor.element_size()
-    if nbytes == 0:
-        return memoryview(bytearray())
-    # ctypes over the address, not .numpy(): numpy would pin the storage's size, and swapped slabs are
-    # released (resized to 0) between uses; the request keeps the tensor alive while I/O runs
-    return memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B")
+    # not .numpy(), which would pin the storage's size (swapped slabs are released between uses);
+    # the request keeps the tensor alive while its I/O runs
+    return tensor_bytes(tensor)

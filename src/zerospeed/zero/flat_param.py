@@ -16,6 +16,9 @@ state (here a :class:`UnitParamRef`); everything else lives in the owner, never 
 
 from __future__ import annotations
 
+import contextlib
+from typing import Callable, ContextManager
+
 import torch
 from torch import nn
 
@@ -79,6 +82,8 @@ class FlatParamUnit:
         for p, view in zip(params, self._views):
             p.data = view
         self.master: torch.Tensor | None = None  # this shard's fp32 master, when the optimizer keeps one
+        # a context in which ``master`` is in memory and changes to it are kept (NVMe tier: set by the state)
+        self.master_resident: Callable[[], ContextManager[None]] = contextlib.nullcontext
         self._pending: Handle | None = None
         self._gathered = True
         if not persistent:

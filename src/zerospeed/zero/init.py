@@ -209,7 +209,8 @@ def _adopt_edits(unit: Any, modifier_rank: int) -> None:
     with torch.no_grad():
         unit.shard.copy_(unit.full[lo:hi])
         if unit.master is not None and unit.master is not unit.shard:
-            unit.master.copy_(unit.shard)
+            with unit.master_resident():  # an NVMe-tier master is read in, updated, written back
+                unit.master.copy_(unit.shard)
 
 
 def _adopt_persistent_edits(owners: list[Any], modifier_rank: int) -> None:

@@ -14,6 +14,7 @@ whole-parameter norms: the pieces' squared norms are summed across ranks (one sm
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from typing import Sequence
@@ -124,14 +125,27 @@ class ZeroOptimizer:
         assert tier.path is not None
         handle = AsyncIOHandle.from_config(self.store.aio) if self.store.aio is not None else AsyncIOHandle()
         run_id = self.comm.all_gather_object(uuid.uuid4().hex[:12])[0]  # one run directory, a subdirectory per rank
-        directory = RunDirectory(tier.path, run_id, self.comm.rank)
         initial = {id(piece): optimizer.state.get(piece, {}) for piece, *_ in self._grad_slices}
-        swapped = SwappedOptimizerState(units, directory, handle, lookahead=self.store.nvme_lookahead)
+        swapped: SwappedOptimizerState | None = None
+        error: BaseException | None = None
         try:
+            swapped = SwappedOptimizerState(units, RunDirectory(tier.path, run_id, self.comm.rank), handle,
+                                            lookahead=self.store.nvme_lookahead)
             swapped.build(optimizer, self.masters, self._grad_slices, initial)
-        except BaseException:
-            swapped.close()
-            raise
+        except (OSError, ValueError, NotImplementedError, RuntimeError) as exc:
+            error = exc
+        # a path missing or full on one node must fail every rank, not leave the others waiting
+        outcomes = self.comm.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
+        if error is not None or any(outcomes):
+            if swapped is not None:
+                swapped.close()
+            else:
+                handle.close()
+            if error is not None:
+                raise error
+            raise RuntimeError("offload_optimizer nvme failed on other ranks: "
+                               + "; ".join(f"rank {r}: {o}" for r, o in enumerate(outcomes) if o))
+        assert swapped is not None
         self.swapped = swapped
         for u in units:
             self.units[u].master = self.masters[u]
@@ -207,18 +221,20 @@ class ZeroOptimizer:
         order = range(len(self.units))
         stream = self.swapped.stream(order) if self.swapped is not None else iter(order)
         try:
-            for u in stream:
-                unit, master = self.units[u], self.masters[u]
-                if u not in done:
-                    self._attach_grads({u: grad_shards[u]})
-                    mine = self._unit_pieces[u]
-                    for group, params in zip(groups, everything):
-                        group["params"] = [p for p in params if id(p) in mine]
-                    self.times["update"] += self._step_groups(copy_out)
-                    self._detach_grads([u])
-                swapped = self.swapped is not None and self.swapped.swapped(u)
-                # a swapped master is released after this: copy out of it before moving on
-                publisher.publish(unit, master, copied=u in copied, blocking=swapped)
+            # closed on the way out, so a failed step releases its unit at once (its file untouched)
+            with contextlib.closing(stream) if self.swapped is not None else contextlib.nullcontext():
+                for u in stream:
+                    unit, master = self.units[u], self.masters[u]
+                    if u not in done:
+                        self._attach_grads({u: grad_shards[u]})
+                        mine = self._unit_pieces[u]
+                        for group, params in zip(groups, everything):
+                            group["params"] = [p for p in params if id(p) in mine]
+                        self.times["update"] += self._step_groups(copy_out)
+                        self._detach_grads([u])
+                    swapped = self.swapped is not None and self.swapped.swapped(u)
+                    # a swapped master is released after this: copy out of it before moving on
+                    publisher.publish(unit, master, copied=u in copied, blocking=swapped)
         finally:
             for group, params in zip(groups, everything):
                 group["params"] = params

@@ -103,7 +103,7 @@ class ReplicatedState:
         grads = storage_bytes(self.buckets.flat_buffers())
         states = storage_bytes(self._state_tensors(), exclude=list(self.module.parameters()))
         return {"params": params, "grads": grads, "optimizer_states": states,
-                "total": params + grads + states, "buffers": 0, "offloaded": 0}
+                "total": params + grads + states, "buffers": 0, "offloaded": 0, "on_nvme": 0}
 
     def _state_tensors(self) -> list[torch.Tensor]:
         out = list(self.master_params)  # the model's own parameters when there are no masters: excluded by the caller

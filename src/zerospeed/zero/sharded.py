@@ -91,6 +91,7 @@ class ShardedState:
             self.coordinator = ParamCoordinator(model, self.units, module_users(model, specs, external), policy)
         for u, unit in enumerate(self.units):
             unit.master = self.zero_optimizer.masters[u]
+            unit.master_resident = lambda u=u: self.resident_state([u], write_back=True)
             for i, p in enumerate(unit.params):
                 setattr(p, OWNER, UnitParamRef(self, u, i))
 
@@ -251,7 +252,8 @@ class ShardedState:
         states = storage_bytes(self.zero_optimizer.state_tensors(), exclude=resident)
         buffers = gathered + storage_bytes(grad_transient, exclude=grad_state)
         return {"params": params, "grads": grads, "optimizer_states": states,
-                "total": params + grads + states, "buffers": buffers, "offloaded": self._offloaded_bytes()}
+                "total": params + grads + states, "buffers": buffers, "offloaded": self._offloaded_bytes(),
+                "on_nvme": self._nvme_bytes()}
 
     def _offloaded_bytes(self) -> int:
         """Bytes of the above held in an offload tier (CPU memory) rather than with the computation."""
@@ -267,8 +269,11 @@ class ShardedState:
             held += [unit.shard for unit in self.units if not unit.persistent]
         if not self.grads.sharding.keep_full:  # stages 2-3 keep gradient shards in the optimizer's tier
             held += [g.shard for g, tier in zip(self.grads.units, zopt.tiers) if tier != compute]
-        on_nvme = sum(zopt.swapped.slabs.nbytes) if zopt.swapped is not None and zopt.swapped.slabs else 0
-        return storage_bytes(held) + on_nvme
+        return storage_bytes(held)
+
+    def _nvme_bytes(self) -> int:
+        swapped = self.zero_optimizer.swapped
+        return sum(swapped.slabs.nbytes) if swapped is not None and swapped.slabs is not None else 0
 
     # -- checkpoints -------------------------------------------------------------------------
     def checkpoint_params(self) -> list[ParamInfo]:

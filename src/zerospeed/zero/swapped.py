@@ -60,14 +60,19 @@ class SwappedOptimizerState:
         optimizer already holds (Adagrad's accumulators from construction), copied into the slab.
         """
         keys, scalars = per_element_states(optimizer)
-        slabs, attached = [], []
-        for s, u in enumerate(self.units):
+        group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+        total = sum((1 + len(keys)) * masters[u].numel() * 4 for u in self.units)
+        self.directory.check_room(total, f"the fp32 masters and {', '.join(keys)} of {len(self.units)} units")
+        # one unit at a time: built, written out and released before the next is made
+        self.slabs = SwappedSlabs([], self.directory, self.aio, lookahead=self.lookahead, name="unit")
+        for u in self.units:
             master = masters[u]
             n = master.numel()
             slab = torch.zeros((1 + len(keys)) * n, dtype=torch.float32)
-            slab[:n].copy_(master)
-            views: list[torch.Tensor] = [slab[:n]]
-            masters[u] = slab[:n]
+            new_master = slab[:n]
+            new_master.copy_(master)
+            views: list[torch.Tensor] = [new_master]  # the very object masters[u] holds: kept valid
+            masters[u] = new_master
             for piece, pu, offset, numel in pieces:
                 if pu != u:
                     continue
@@ -80,14 +85,12 @@ class SwappedOptimizerState:
                     region = slab[(1 + k) * n + offset: (1 + k) * n + offset + numel]
                     if isinstance(old.get(key), torch.Tensor) and old[key].numel() == numel:
                         region.copy_(old[key].reshape(-1))
+                    elif key == "sum":  # Adagrad's accumulator starts at initial_accumulator_value
+                        region.fill_(float(group_of[id(piece)].get("initial_accumulator_value", 0.0)))
                     state[key] = region
                     views.append(region)
                 optimizer.state[piece] = state
-            self._slab_of[u] = s
-            slabs.append(slab)
-            attached.append(views)
-        self.slabs = SwappedSlabs(slabs, self.directory, self.aio, lookahead=self.lookahead, name="unit",
-                                  attach=attached)
+            self._slab_of[u] = self.slabs.add(slab, views, check_room=False)
 
     def swapped(self, unit_index: int) -> bool:
         return unit_index in self._slab_of
@@ -123,8 +126,8 @@ class SwappedOptimizerState:
         return (self.slabs.bytes_read, self.slabs.bytes_written) if self.slabs is not None else (0, 0)
 
     def close(self) -> None:
-        """Release the slabs, stop the I/O threads and delete the swap files."""
+        """Stop the I/O threads (pending transfers end first), release the slabs, delete the files."""
+        self.aio.close()
         if self.slabs is not None:
             self.slabs.close()
-        self.aio.close()
         self.directory.close()
