@@ -137,9 +137,14 @@ def _bf16_edits_and_loads(root: str) -> list[Any]:
 
     cpu, *_ = zerospeed.initialize(model=_model(), config=config("cpu"))
     nvme, *_ = zerospeed.initialize(model=_model(), config=config("nvme"))
+    both_cfg = config("nvme")
+    both_cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": root}
+    both, *_ = zerospeed.initialize(model=_model(), config=both_cfg)  # parameters on NVMe as well
     run(cpu)
     run(nvme)
-    same = _full_state(cpu) == _full_state(nvme)
+    run(both)
+    same = _full_state(cpu) == _full_state(nvme) == _full_state(both)
+    both.destroy()
     first = next(nvme.module.parameters())
     with zerospeed.zero.GatheredParameters(first, modifier_rank=0):
         with torch.no_grad():
@@ -163,3 +168,59 @@ def test_nvme_bf16_edits_and_loading_into_an_nvme_engine(tmp_path: Path) -> None
         assert same, f"rank {rank}: NVMe and CPU offload differ in bf16"
         assert edited, f"rank {rank}: a GatheredParameters edit did not reach the swapped master"
         assert reloaded and continued, f"rank {rank}: loading into an NVMe engine (reloaded={reloaded})"
+
+
+def _params_on_nvme(root: str) -> list[Any]:
+    """Stage 3 with offload_param nvme (and the optimizer on NVMe or CPU): equal to the in-memory run;
+    no parameter shard stays in memory between steps."""
+    out = []
+    for optimizer_device in ("cpu", "nvme"):
+        plain, *_ = zerospeed.initialize(model=_model(), config=_config(3, None))
+        cfg = _config(3, None)
+        cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": root}
+        cfg["zero_optimization"]["offload_optimizer"] = (
+            {"device": "cpu"} if optimizer_device == "cpu" else {"device": "nvme", "nvme_path": root})
+        swapped, *_ = zerospeed.initialize(model=_model(), config=cfg)
+        losses = [_train(plain), _train(swapped)]
+        resident = sum(swapped.state.param_swap.resident)
+        on_nvme = swapped.memory_breakdown()["on_nvme"]
+        ckpt = os.path.join(root, f"ckpt-{optimizer_device}")
+        swapped.save_checkpoint(ckpt, tag="t")
+        loaded, *_ = zerospeed.initialize(model=_model(), config=cfg)
+        loaded.load_checkpoint(ckpt, tag="t")
+        out.append({"device": optimizer_device, "losses": losses, "resident": resident, "on_nvme": on_nvme,
+                    "state": [_full_state(plain), _full_state(swapped), _full_state(loaded)]})
+        swapped.destroy()
+        loaded.destroy()
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_stage3_parameters_on_nvme_match_in_memory(world: int, tmp_path: Path) -> None:
+    for rank, cases in enumerate(run_distributed(_params_on_nvme, world, str(tmp_path), timeout=300)):
+        for case in cases:
+            what = f"offload_param nvme, optimizer on {case['device']}, {world} ranks, rank {rank}"
+            plain, nvme = (torch.tensor(v) for v in case["losses"])
+            torch.testing.assert_close(nvme, plain, rtol=1e-6, atol=1e-7, msg=what)
+            state_plain, state_nvme, state_loaded = (torch.tensor(v) for v in case["state"])
+            scale = state_plain.abs().max().item()
+            torch.testing.assert_close(state_nvme, state_plain, rtol=1e-6, atol=1e-6 * scale, msg=what)
+            assert torch.equal(state_loaded, state_nvme), what
+            assert case["resident"] == 0 and case["on_nvme"] > 0, (what, case["resident"], case["on_nvme"])
+    assert not any(tmp_path.rglob("*.bin"))  # every swap file went with destroy()
+
+
+def _one_rank_has_no_path(root: str) -> str:
+    rank = torch.distributed.get_rank()
+    path = root if rank == 0 else os.path.join(root, "missing")
+    try:
+        zerospeed.initialize(model=_model(), config=_config(2, path))
+    except (OSError, RuntimeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_a_swap_path_missing_on_one_rank_fails_every_rank(tmp_path: Path) -> None:
+    ok_rank, bad_rank = run_distributed(_one_rank_has_no_path, 2, str(tmp_path), timeout=120)
+    assert bad_rank.startswith("FileNotFoundError") and "does not exist" in bad_rank
+    assert ok_rank.startswith("RuntimeError") and "failed on other ranks: rank 1: FileNotFoundError" in ok_rank

@@ -31,7 +31,7 @@ IMPLEMENTED = frozenset({
     "data_types.grad_accum_dtype", "checkpoint.writer", "checkpoint.tag_validation=IGNORE",
     "checkpoint.tag_validation=FAIL", "zero_optimization.offload_optimizer.device=cpu",
     "zero_optimization.offload_optimizer.ratio", "zero_optimization.offload_param.device=cpu",
-    "zero_optimization.offload_optimizer.device=nvme", "zero_optimization.offload_optimizer.pipeline_read",
+    "zero_optimization.offload_optimizer.device=nvme", "zero_optimization.offload_param.device=nvme", "zero_optimization.offload_optimizer.pipeline_read",
     "zero_optimization.offload_optimizer.pipeline_write", "zero_optimization.offload_optimizer.fast_init",
     "activation_checkpointing.cpu_checkpointing", "activation_checkpointing.contiguous_memory_optimization",
     "activation_checkpointing.synchronize_checkpoint_boundary", "activation_checkpointing.profile",
@@ -194,7 +194,7 @@ def _model_state(model: nn.Module, cfg: Config, comm: Comm, policy: Any) -> Any:
     zero = cfg.zero_optimization
     device = next(model.parameters()).device
     store = StateStore.from_config(zero, device, get_accelerator(), aio=cfg.aio)
-    overlap = StepOverlap.decide(offloaded=store.offloads_optimizer, swapped=store.optimizer.name == "nvme",
+    overlap = StepOverlap.decide(offloaded=store.offloads_optimizer, swapped="nvme" in (store.optimizer.name, store.params.name),
                                  clipping=float(cfg.gradient_clipping),
                                  loss_scaled=policy.loss_scaling is not None, overflow_checked=policy.check_overflow,
                                  sub_group_size=int(zero.sub_group_size))

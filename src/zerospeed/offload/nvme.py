@@ -259,6 +259,11 @@ class SwappedSlabs:
                 if self.resident[i] and i not in written:
                     self._release(i)
 
+    def discard(self, i: int) -> None:
+        """Release a resident slab without writing it (unchanged since it was read)."""
+        if self.resident[i]:
+            self._release(i)
+
     def close(self) -> None:
         """Release every slab (the files go with the run directory, removed by its owner)."""
         for i in range(len(self.slabs)):
@@ -270,3 +275,42 @@ def _numel(shape: tuple[int, ...]) -> int:
     for n in shape:
         out *= n
     return out
+
+
+class SlabLease:
+    """Shared residency of one slab: the first holder reads it in, the last one releases it (writing
+    it back only if some holder changed it). Stage-3 parameter shards on NVMe are held by a gather
+    (until its all-gather is complete) and by whatever updates them (the optimizer step, a load)."""
+
+    def __init__(self, slabs: SwappedSlabs, index: int):
+        self.slabs, self.index = slabs, index
+        self.holders = 0
+        self.dirty = False
+
+    def acquire(self) -> None:
+        if self.holders == 0:
+            self.slabs.swap_in([self.index])
+        self.holders += 1
+
+    def release(self, changed: bool = False) -> None:
+        if self.holders <= 0:
+            raise RuntimeError(f"{self.slabs.name} {self.index}: released more often than acquired")
+        self.dirty = self.dirty or changed
+        self.holders -= 1
+        if self.holders == 0:
+            if self.dirty:
+                self.slabs.swap_out([self.index])
+            else:
+                self.slabs.discard(self.index)
+            self.dirty = False
+
+    @contextlib.contextmanager
+    def held(self, write_back: bool = False) -> Iterator[None]:
+        """Resident inside the block; ``write_back``: the block changes it (written back at the end)."""
+        self.acquire()
+        failed = True
+        try:
+            yield
+            failed = False
+        finally:
+            self.release(changed=write_back and not failed)

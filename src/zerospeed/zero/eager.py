@@ -50,8 +50,8 @@ class StepOverlap:
         """``swapped``: the optimizer state is on NVMe (streamed through memory at ``step()``)."""
         elems = max(int(sub_group_size), 1)
         if swapped:
-            return cls(False, elems, "the NVMe tier streams each unit's state through memory at step(), reading "
-                                     "ahead and writing behind")
+            return cls(False, elems, "the NVMe tier streams each unit's state through memory at step() (read "
+                                     "ahead, written behind)")
         if not offloaded:
             return cls(False, elems, "the optimizer is not offloaded (it steps after backward)")
         if clipping > 0:

@@ -17,7 +17,7 @@ state (here a :class:`UnitParamRef`); everything else lives in the owner, never 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager
+from typing import Any, Callable, ContextManager
 
 import torch
 from torch import nn
@@ -78,6 +78,8 @@ class FlatParamUnit:
             placed = shard_tier.place(own) if shard_tier is not None else own
             self.shard = placed.clone() if placed is own else placed
         self._staged: torch.Tensor | None = None  # the shard's copy on the compute device, while gathering
+        self.shard_lease: Any = None  # offload_param nvme: the shard's file residency (a SlabLease)
+        self._gather_holds_shard = False
         self._empty = torch.empty(0, dtype=self.dtype, device=device)
         for p, view in zip(params, self._views):
             p.data = view
@@ -119,6 +121,9 @@ class FlatParamUnit:
         for p, view in zip(self.params, self._views):
             p.data = view
         self._gathered = True
+        if self.shard_lease is not None:  # an NVMe-tier shard is read in for the all-gather
+            self.shard_lease.acquire()
+            self._gather_holds_shard = True
         source = self.shard
         if source.device != self.full.device:  # offloaded shard: to the device first (async from pinned)
             source = self._staged = source.to(self.full.device, non_blocking=True)
@@ -131,6 +136,13 @@ class FlatParamUnit:
             handle, self._pending = self._pending, None
             handle.wait()
             self._staged = None
+        if self._gather_holds_shard:
+            self._gather_holds_shard = False
+            self.shard_lease.release()
+
+    def shard_resident(self, write_back: bool = False) -> ContextManager[None]:
+        """``shard`` in memory inside the block (NVMe tier; ``write_back`` when the block changes it)."""
+        return self.shard_lease.held(write_back) if self.shard_lease is not None else contextlib.nullcontext()
 
     def publish_shard(self, async_op: bool = True) -> Handle | None:
         """After an update of ``shard``: all-gather it into ``full`` (persistent units; others are

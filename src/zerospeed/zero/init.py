@@ -206,7 +206,7 @@ def _adopt_edits(unit: Any, modifier_rank: int) -> None:
     """Broadcast ``modifier_rank``'s full unit and make it every rank's shard and fp32 master."""
     unit.comm.broadcast(unit.full, src=modifier_rank)
     lo, hi = unit.plan.shard_range(unit.comm.rank)
-    with torch.no_grad():
+    with torch.no_grad(), unit.shard_resident(write_back=True):
         unit.shard.copy_(unit.full[lo:hi])
         if unit.master is not None and unit.master is not unit.shard:
             with unit.master_resident():  # an NVMe-tier master is read in, updated, written back

@@ -63,8 +63,11 @@ class ZeroOptimizer:
         sizes = [unit.plan.shard_numel for unit in self.units]
         self.tiers: list[Tier] = (store.optimizer_tiers(sizes) if store is not None
                                   else [Tier("device", unit.shard.device) for unit in self.units])
+        params_swapped = store is not None and store.params.name == "nvme"
         for u, unit in enumerate(self.units):
             master = self.tiers[u].place(unit.shard, master_dtype)
+            if master is unit.shard and params_swapped and not unit.persistent:
+                master = unit.shard.clone()  # the shard goes to its own file: the master must not go with it
             self.masters.append(master)
             slot_of = {slot.name: i for i, slot in enumerate(unit.plan.params)}
             for piece in unit.plan.pieces(comm.rank):
@@ -134,17 +137,14 @@ class ZeroOptimizer:
             swapped.build(optimizer, self.masters, self._grad_slices, initial)
         except (OSError, ValueError, NotImplementedError, RuntimeError) as exc:
             error = exc
-        # a path missing or full on one node must fail every rank, not leave the others waiting
-        outcomes = self.comm.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
-        if error is not None or any(outcomes):
+        try:
+            self.comm.fail_together(error, "offload_optimizer nvme")
+        except BaseException:
             if swapped is not None:
                 swapped.close()
             else:
                 handle.close()
-            if error is not None:
-                raise error
-            raise RuntimeError("offload_optimizer nvme failed on other ranks: "
-                               + "; ".join(f"rank {r}: {o}" for r, o in enumerate(outcomes) if o))
+            raise
         assert swapped is not None
         self.swapped = swapped
         for u in units:
@@ -195,11 +195,12 @@ class ZeroOptimizer:
         todo = [u for u in range(len(self.units)) if u not in done]
         publisher = _Publisher(self.allgather_bucket_elems, self.times)
         self.times.update(update=0.0, publish=0.0)
-        copy_out = self.copy_out_targets(todo)
+        leased = any(unit.shard_lease is not None for unit in self.units)  # shards on NVMe: made per unit
+        copy_out = None if leased else self.copy_out_targets(todo)
         copied = set(copied) | set(copy_out or {})
         try:
             at_once = isinstance(self.optimizer, Lamb) or not any(unit.persistent for unit in self.units)
-            if at_once and self.swapped is None:
+            if at_once and self.swapped is None and not leased:
                 self._attach_grads({u: grad_shards[u] for u in todo})
                 self.times["update"] += self._step_groups(copy_out)
                 for u, (unit, master) in enumerate(zip(self.units, self.masters)):
@@ -225,16 +226,22 @@ class ZeroOptimizer:
             with contextlib.closing(stream) if self.swapped is not None else contextlib.nullcontext():
                 for u in stream:
                     unit, master = self.units[u], self.masters[u]
-                    if u not in done:
-                        self._attach_grads({u: grad_shards[u]})
-                        mine = self._unit_pieces[u]
-                        for group, params in zip(groups, everything):
-                            group["params"] = [p for p in params if id(p) in mine]
-                        self.times["update"] += self._step_groups(copy_out)
-                        self._detach_grads([u])
-                    swapped = self.swapped is not None and self.swapped.swapped(u)
-                    # a swapped master is released after this: copy out of it before moving on
-                    publisher.publish(unit, master, copied=u in copied, blocking=swapped)
+                    with unit.shard_resident(write_back=True):  # an NVMe-tier shard: in, updated, out
+                        unit_copy_out, unit_copied = copy_out, u in copied
+                        if unit.shard_lease is not None and u not in done:
+                            unit_copy_out = self.copy_out_targets([u])
+                            unit_copied = bool(unit_copy_out)
+                        if u not in done:
+                            self._attach_grads({u: grad_shards[u]})
+                            mine = self._unit_pieces[u]
+                            for group, params in zip(groups, everything):
+                                group["params"] = [p for p in params if id(p) in mine]
+                            self.times["update"] += self._step_groups(unit_copy_out)
+                            self._detach_grads([u])
+                        swapped = self.swapped is not None and self.swapped.swapped(u)
+                        # a swapped master or shard is released after this: copy before moving on
+                        publisher.publish(unit, master, copied=unit_copied,
+                                          blocking=swapped or unit.shard_lease is not None)
         finally:
             for group, params in zip(groups, everything):
                 group["params"] = params

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import uuid
 from typing import Any, ContextManager, Iterator
 
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 
 from zerospeed.config.values import OffloadDevice
 from zerospeed.dist.comm import Comm
+from zerospeed.offload.nvme import RunDirectory, SlabLease, SwappedSlabs
 from zerospeed.offload.store import StateStore
 from zerospeed.sharding.plan import ShardPlan
 from zerospeed.sharding.slots import ParamInfo, Slot
@@ -94,6 +96,9 @@ class ShardedState:
             unit.master_resident = lambda u=u: self.resident_state([u], write_back=True)
             for i, p in enumerate(unit.params):
                 setattr(p, OWNER, UnitParamRef(self, u, i))
+        self.param_swap: SwappedSlabs | None = None
+        if self.store.params.name == "nvme":
+            self.param_swap = self._swap_params_to_nvme()
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -106,6 +111,37 @@ class ShardedState:
             overlap = overlap.without(f"{type(optimizer).__name__} is not known to be elementwise (Lamb's trust "
                                       f"ratio needs whole-parameter norms), so the step runs after backward")
         self.eager.overlap = overlap
+
+    def _swap_params_to_nvme(self) -> SwappedSlabs:
+        """``offload_param.device: nvme``: every non-persistent unit's shard goes to a file of its own,
+        read in for its all-gather and for its update (see :class:`SlabLease`)."""
+        from zerospeed.ops.aio import AsyncIOHandle
+
+        tier = self.store.params
+        assert tier.path is not None
+        run_id = self.comm.all_gather_object(uuid.uuid4().hex[:12])[0]
+        handle = AsyncIOHandle.from_config(self.store.aio) if self.store.aio is not None else AsyncIOHandle()
+        error: BaseException | None = None
+        slabs: SwappedSlabs | None = None
+        try:
+            directory = RunDirectory(tier.path, f"{run_id}-params", self.comm.rank)
+            shards = [unit for unit in self.units if not unit.persistent]
+            directory.check_room(sum(u.shard.numel() * u.shard.element_size() for u in shards),
+                                 f"the parameter shards of {len(shards)} units")
+            slabs = SwappedSlabs([], directory, handle, name="param")
+            for unit in shards:
+                alias = unit.shard.view(-1)  # the same memory; ``unit.shard`` is re-pointed in and out
+                unit.shard_lease = SlabLease(slabs, slabs.add(alias, [unit.shard], check_room=False))
+        except (OSError, ValueError, RuntimeError) as exc:
+            error = exc
+        try:
+            self.comm.fail_together(error, "offload_param nvme")
+        except BaseException:
+            handle.close()
+            raise
+        assert slabs is not None
+        self._param_swap_parts = (handle, directory)
+        return slabs
 
     def describe_offload(self) -> str:
         """Where state lives and when the optimizer steps, in one line (logged at initialize)."""
@@ -231,7 +267,8 @@ class ShardedState:
         if tuple(value.shape) != slot.shape:
             raise ValueError(f"{slot.name}: value has shape {tuple(value.shape)}, the parameter {slot.shape}")
         flat = value.detach().reshape(-1)
-        with torch.no_grad(), self.resident_state([unit_index], write_back=True):
+        with torch.no_grad(), self.resident_state([unit_index], write_back=True), \
+                unit.shard_resident(write_back=True):
             for piece in unit.plan.pieces(self.comm.rank):
                 if piece.param == slot.name:
                     part = flat[piece.start: piece.end]
@@ -273,7 +310,8 @@ class ShardedState:
 
     def _nvme_bytes(self) -> int:
         swapped = self.zero_optimizer.swapped
-        return sum(swapped.slabs.nbytes) if swapped is not None and swapped.slabs is not None else 0
+        out = sum(swapped.slabs.nbytes) if swapped is not None and swapped.slabs is not None else 0
+        return out + (sum(self.param_swap.nbytes) if self.param_swap is not None else 0)
 
     # -- checkpoints -------------------------------------------------------------------------
     def checkpoint_params(self) -> list[ParamInfo]:
@@ -312,7 +350,8 @@ class ShardedState:
         with torch.no_grad():
             for unit, master in zip(self.units, self.zero_optimizer.masters):
                 if master is not unit.shard:
-                    unit.shard.copy_(master)
+                    with unit.shard_resident(write_back=True):
+                        unit.shard.copy_(master)
                 unit.publish_shard(async_op=False)
         self.grads.zero()
 
@@ -321,6 +360,11 @@ class ShardedState:
         self.eager.close()
         if self.zero_optimizer.swapped is not None:
             self.zero_optimizer.swapped.close()
+        if self.param_swap is not None:
+            handle, directory = self._param_swap_parts
+            handle.close()
+            self.param_swap.close()
+            directory.close()
         if self.coordinator is not None:
             self.coordinator.remove_hooks()
 
