@@ -60,9 +60,11 @@ def _config(name: str, spec: dict, sub_group: int, nvme_dir: str) -> dict:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         if stage == 3:
             zero["offload_param"] = {"device": "cpu", "pin_memory": True}
-    if name.endswith("+nvme"):
+    if name.endswith("+nvme"):  # ZeRO-Infinity: optimizer state (and at stage 3 the parameters) on NVMe
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_dir, "pipeline_read": True,
                                      "pipeline_write": True, "buffer_count": 4}
+        if stage == 3:
+            zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_dir}
     return {"train_micro_batch_size_per_gpu": spec["batch"], "gradient_accumulation_steps": 1,
             "optimizer": {"type": "AdamW", "params": {k: list(v) if isinstance(v, tuple) else v
                                                       for k, v in gb.ADAMW.items()}},
@@ -82,7 +84,7 @@ def run_rank(name: str, spec: dict, sub_group: int, steps: int, warmup: int, nvm
     rank = torch.distributed.get_rank()
     engine, optimizer, _, _ = zerospeed.initialize(model=gb.build_model(spec),
                                                    config=_config(name, spec, sub_group, nvme_dir))
-    swapped = engine.state.zero_optimizer.swapped
+    swapped = engine.state.zero_optimizer.swapped  # the optimizer's slabs (parameter reads not counted)
     x, y = gb.make_batch(spec, rank)
     rows, losses = [], []
     for i in range(warmup + steps):
