@@ -69,7 +69,9 @@ def _compare(root: str) -> list[dict[str, Any]]:
         os.makedirs(nvme_dir, exist_ok=True)
         swapped, optimizer, *_ = zerospeed.initialize(model=_model(), config=_config(stage, nvme_dir))
         losses_plain, losses_nvme = _train(plain), _train(swapped)
-        files = sorted(str(p.relative_to(nvme_dir)) for p in Path(nvme_dir).rglob("*.bin"))
+        # this rank's own directory only: the other rank may be removing its own meanwhile
+        own = swapped.state.zero_optimizer.swapped.directory.path
+        files = sorted(str(p.relative_to(nvme_dir)) for p in own.glob("*.bin"))
         resident = swapped.state.zero_optimizer.swapped.slabs.resident
         ckpt = os.path.join(root, f"ckpt{stage}")
         swapped.save_checkpoint(ckpt, tag="t")
@@ -80,7 +82,7 @@ def _compare(root: str) -> list[dict[str, Any]]:
                     "files": [f for f in files if f"rank{rank}" in f], "resident": sum(resident),
                     "moved": list(swapped.state.zero_optimizer.swapped.bytes_moved)})
         swapped.destroy()
-        out[-1]["left"] = sorted(str(p) for p in Path(nvme_dir).rglob(f"rank{rank}*"))
+        out[-1]["left"] = [str(own)] if own.exists() else []
     return out
 
 
