@@ -184,12 +184,7 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
                                          load_optimizer_states and not load_module_only)
         except (CheckpointError, OSError, ValueError, KeyError, RuntimeError) as exc:
             error = exc
-        outcomes = comm.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
-        if error is not None:
-            raise error
-        failed = [f"rank {r}: {outcome}" for r, outcome in enumerate(outcomes) if outcome]
-        if failed:
-            raise CheckpointError(f"load_checkpoint failed on other ranks: {'; '.join(failed)}")
+        comm.fail_together(error, "load_checkpoint", error_type=CheckpointError)
         engine.state.after_checkpoint_load()
     if load_module_only:
         return path, engine_state.get("client_state")

@@ -494,15 +494,17 @@ class Comm:
         self.all_gather(buffers, payload.to(sizes.device))
         return [pickle.loads(b.cpu().numpy().tobytes()) for b in buffers]
 
-    def fail_together(self, error: BaseException | None, what: str) -> None:
+    def fail_together(self, error: BaseException | None, what: str,
+                      error_type: type[Exception] = RuntimeError) -> None:
         """Raise on every rank when ``what`` failed on any (collective): a failure on one rank alone
-        (a path missing on one node) must not leave the others waiting in the next collective."""
+        (a path missing on one node) must not leave the others waiting in the next collective. This
+        rank's own error is raised as it is; the others' as ``error_type``, naming each rank."""
         outcomes = self.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
         if error is not None:
             raise error
         failed = [f"rank {r}: {outcome}" for r, outcome in enumerate(outcomes) if outcome]
         if failed:
-            raise RuntimeError(f"{what} failed on other ranks: {'; '.join(failed)}")
+            raise error_type(f"{what} failed on other ranks: {'; '.join(failed)}")
 
     # -- helpers -------------------------------------------------------------------------------
     def _averager(self, tensor: torch.Tensor, op: ReduceOpName) -> Callable[[], None] | None:
