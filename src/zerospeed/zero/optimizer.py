@@ -195,25 +195,24 @@ class ZeroOptimizer:
         todo = [u for u in range(len(self.units)) if u not in done]
         publisher = _Publisher(self.allgather_bucket_elems, self.times)
         self.times.update(update=0.0, publish=0.0)
-        leased = any(unit.shard_lease is not None for unit in self.units)  # shards on NVMe: made per unit
-        copy_out = None if leased else self.copy_out_targets(todo)
-        copied = set(copied) | set(copy_out or {})
+        swaps = self.swapped is not None or any(unit.shard_lease is not None for unit in self.units)
         try:
             at_once = isinstance(self.optimizer, Lamb) or not any(unit.persistent for unit in self.units)
-            if at_once and self.swapped is None and not leased:
+            if at_once and not swaps:
+                copy_out = self.copy_out_targets(todo)
+                copied = set(copied) | set(copy_out or {})
                 self._attach_grads({u: grad_shards[u] for u in todo})
                 self.times["update"] += self._step_groups(copy_out)
                 for u, (unit, master) in enumerate(zip(self.units, self.masters)):
                     publisher.publish(unit, master, copied=u in copied)
             else:
-                self._step_unit_by_unit(grad_shards, done, copied, copy_out, publisher)
+                self._step_unit_by_unit(grad_shards, done, set(copied), publisher)
             publisher.wait_all()
         finally:
             self._detach_grads(todo)
 
     def _step_unit_by_unit(self, grad_shards: Sequence[torch.Tensor], done: frozenset[int] | set[int],
-                           copied: set[int], copy_out: dict[int, dict[int, torch.Tensor]] | None,
-                           publisher: "_Publisher") -> None:
+                           copied: set[int], publisher: "_Publisher") -> None:
         """Update and publish one unit at a time: each unit's all-gather overlaps the next update, and
         NVMe-tier units stream through memory (read ahead, written back behind)."""
         assert self.optimizer is not None
@@ -227,11 +226,11 @@ class ZeroOptimizer:
                 for u in stream:
                     unit, master = self.units[u], self.masters[u]
                     with unit.shard_resident(write_back=True):  # an NVMe-tier shard: in, updated, out
-                        unit_copy_out, unit_copied = copy_out, u in copied
-                        if unit.shard_lease is not None and u not in done:
+                        unit_copied = u in copied
+                        if u not in done:
+                            # the copy-out targets are views of the shard: made while it is resident
                             unit_copy_out = self.copy_out_targets([u])
                             unit_copied = bool(unit_copy_out)
-                        if u not in done:
                             self._attach_grads({u: grad_shards[u]})
                             mine = self._unit_pieces[u]
                             for group, params in zip(groups, everything):
