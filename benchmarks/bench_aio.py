@@ -34,6 +34,7 @@ from typing import Callable
 
 import torch
 
+from bench_checkpoint import _drop_cache as evict_file_pages  # fsync + fadvise(DONTNEED), same script dir
 from zerospeed.checkpoint.layout import fsync_dir
 from zerospeed.ops.aio import AsyncIOHandle
 
@@ -43,12 +44,7 @@ DS_PYTHON = "/tmp/dsvenv/bin/python"
 
 def drop_cache(path: Path) -> None:
     """Evict ``path`` from the page cache so reads hit the disk (all caches too, when allowed)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    evict_file_pages(str(path))
     try:
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("1\n")
