@@ -8,7 +8,7 @@ engine drives through the same calls (``begin_backward`` / ``end_backward`` / ``
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager, Iterator
+from typing import ContextManager, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -116,9 +116,16 @@ class ReplicatedState:
     def checkpoint_params(self) -> list[ParamInfo]:
         return [ParamInfo(name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in self.module.named_parameters()]
 
-    def checkpoint_slots(self, for_save: bool) -> list[Slot]:
+    def checkpoint_groups(self) -> list[list[int]] | None:
+        """Everything is in memory: no groups to stream (see :meth:`ShardedState.checkpoint_groups`)."""
+        return None
+
+    def checkpoint_slots(self, for_save: bool, units: Sequence[int] | None = None) -> list[Slot]:
         """Every parameter whole for loading; for saving, this rank's even share of each, so the ranks
-        of a replicated run write in parallel and no byte twice."""
+        of a replicated run write in parallel and no byte twice. (``units``: accepted for symmetry
+        with :class:`ShardedState`; must be None here.)"""
+        if units is not None:
+            raise ValueError("ReplicatedState has no units: call checkpoint_slots(for_save) without units")
         master_of = {id(p): m for p, m in zip(self.model_params, self.master_params, strict=True)}
         out = []
         for name, p in self.module.named_parameters():

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 import uuid
-from typing import Any, ContextManager, Iterator
+from typing import Any, ContextManager, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -318,11 +318,23 @@ class ShardedState:
         return [ParamInfo(slot.name, slot.shape, unit.dtype, p.requires_grad)
                 for unit in self.units for slot, p in zip(unit.plan.params, unit.params)]
 
-    def checkpoint_slots(self, for_save: bool) -> list[Slot]:
-        """The pieces of this rank's shards (the same for saving and loading)."""
+    def checkpoint_groups(self) -> list[list[int]] | None:
+        """Unit indices to save or load one group at a time, each group made resident with
+        :meth:`resident_state` while its slots are used (NVMe: one unit per group, so a checkpoint never
+        needs more than one unit's state in memory); None when everything is in memory anyway."""
+        if self.zero_optimizer.swapped is None:
+            return None
+        return [[u] for u in range(len(self.units))]
+
+    def checkpoint_slots(self, for_save: bool, units: Sequence[int] | None = None) -> list[Slot]:
+        """The pieces of this rank's shards (the same for saving and loading), of ``units`` (default:
+        all). Swapped units must be resident (:meth:`resident_state`) while the slots are used."""
         self.settle()
         out = []
+        wanted = set(range(len(self.units)) if units is None else units)
         for u, unit in enumerate(self.units):
+            if u not in wanted:
+                continue
             master = self.zero_optimizer.masters[u]
             index = {slot.name: i for i, slot in enumerate(unit.plan.params)}
             for piece in unit.plan.pieces(self.comm.rank):
