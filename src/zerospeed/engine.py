@@ -246,6 +246,13 @@ class Engine(nn.Module):
         kept ``on_nvme`` (swap files; in memory only while a unit is updated)."""
         return self.state.memory_breakdown()
 
+    def offload_io(self) -> dict[str, float]:
+        """This rank's NVMe traffic since initialize: ``bytes_read``, ``bytes_written``, and the seconds
+        the training thread spent blocked on it (``read_wait_s``, ``write_wait_s``); zeros without NVMe."""
+        io = getattr(self.state, "offload_io", None)
+        return io() if io is not None else {"bytes_read": 0, "bytes_written": 0, "read_wait_s": 0.0,
+                                            "write_wait_s": 0.0}
+
     def empty_partition_cache(self) -> None:
         """Release every gathered ZeRO-3 parameter (a no-op at stages 0-2)."""
         release = getattr(self.state, "release_all", None)

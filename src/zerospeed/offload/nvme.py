@@ -21,6 +21,7 @@ import contextlib
 import errno
 import os
 import shutil
+import time
 import weakref
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
@@ -99,6 +100,8 @@ class SwappedSlabs:
         self._empty: dict[torch.dtype, torch.Tensor] = {}
         self.bytes_read = 0
         self.bytes_written = 0
+        self.read_wait = 0.0  # seconds the caller spent blocked waiting for reads / writes
+        self.write_wait = 0.0
         directory.check_room(sum(s.numel() * s.element_size() for s in slabs), f"swapping {len(slabs)} {name}s")
         attach = list(attach or [])
         for i, slab in enumerate(slabs):
@@ -180,17 +183,20 @@ class SwappedSlabs:
 
     def _wait_reads(self, requests: list[tuple[int, Any]]) -> None:
         errors = []
+        start = time.perf_counter()
         for i, request in requests:
             try:
                 request.wait()
             except OSError as exc:
                 errors.append(exc)
                 self._release(i)  # partly read: not to be used (the file still holds the values)
+        self.read_wait += time.perf_counter() - start
         if errors:
             raise errors[0]
 
     def _wait_writes(self, requests: list[tuple[int, Any]]) -> None:
         errors = []
+        start = time.perf_counter()
         for i, request in requests:
             try:
                 request.wait()
@@ -198,6 +204,7 @@ class SwappedSlabs:
                 errors.append(exc)  # kept resident: the memory is the only good copy now
             else:
                 self._release(i)
+        self.write_wait += time.perf_counter() - start
         if errors:
             raise errors[0]
 

@@ -308,6 +308,13 @@ class ShardedState:
             held += [g.shard for g, tier in zip(self.grads.units, zopt.tiers) if tier != compute]
         return storage_bytes(held)
 
+    def offload_io(self) -> dict[str, float]:
+        """NVMe traffic of this rank since initialize (see :meth:`Engine.offload_io`)."""
+        swapped = self.zero_optimizer.swapped
+        slabs = [s for s in (swapped.slabs if swapped is not None else None, self.param_swap) if s is not None]
+        return {"bytes_read": sum(s.bytes_read for s in slabs), "bytes_written": sum(s.bytes_written for s in slabs),
+                "read_wait_s": sum(s.read_wait for s in slabs), "write_wait_s": sum(s.write_wait for s in slabs)}
+
     def _nvme_bytes(self) -> int:
         swapped = self.zero_optimizer.swapped
         out = sum(swapped.slabs.nbytes) if swapped is not None and swapped.slabs is not None else 0
