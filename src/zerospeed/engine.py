@@ -25,6 +25,7 @@ from zerospeed.config import Config
 from zerospeed.dist.comm import Comm
 from zerospeed.zero.grads import ReductionPolicy
 from zerospeed.zero.replicated import ReplicatedState
+from zerospeed.zero.step_grads import StepGrads
 
 log = logging.getLogger("zerospeed")
 
@@ -130,13 +131,12 @@ class Engine(nn.Module):
         if not boundary:
             return
         grads = self.state.step_grads()
+        if not isinstance(grads, StepGrads):
+            grads = StepGrads.in_memory(grads)
         if self.scaler.loss_scale != 1.0:
-            for flat in grads:
-                flat.div_(self.scaler.loss_scale)
+            grads.div_(self.scaler.loss_scale)
         # One number answers both questions: the global norm is finite iff no rank has an inf/nan.
-        # (offloaded gradient shards may live on another device than the rest: one device for the stack)
-        local = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32).to(grads[0].device)
-                                                      for g in grads]))
+        local = grads.local_norm()
         norm = float(self.state.sum_over_ranks(local.double().square()).sqrt())
         overflow = self.policy.check_overflow and not math.isfinite(norm)
         self.scaler.update(overflow)
@@ -150,8 +150,7 @@ class Engine(nn.Module):
         clip = float(self.config.gradient_clipping)
         factor = clip / (self._global_grad_norm + 1e-6) if clip > 0 else 1.0
         if factor < 1.0:  # torch's and DeepSpeed's clip_grad_norm rule
-            for flat in grads:
-                flat.mul_(factor)
+            grads.mul_(factor)
         self.state.apply()
         self._step_applied = True
         if self.lr_scheduler is not None:

@@ -91,9 +91,11 @@ class SwappedSlabs:
         self.directory = directory
         self.aio = aio
         self.lookahead = max(int(lookahead), 0)
+        self.writes_behind = 1  # slabs written back while the next is used (resident: lookahead + 2 at most)
         self.name = name
         self.slabs: list[torch.Tensor] = []
         self.nbytes: list[int] = []
+        self.kept: list[int] = []  # bytes of each slab's head that write-back stores (the rest: scratch)
         self.paths: list[Path] = []
         self.resident: list[bool] = []
         self.views: list[list[tuple[torch.Tensor, int, tuple[int, ...]]]] = []
@@ -107,9 +109,12 @@ class SwappedSlabs:
         for i, slab in enumerate(slabs):
             self.add(slab, attach[i] if i < len(attach) else (), check_room=False)
 
-    def add(self, slab: torch.Tensor, views: Sequence[torch.Tensor] = (), check_room: bool = True) -> int:
+    def add(self, slab: torch.Tensor, views: Sequence[torch.Tensor] = (), check_room: bool = True,
+            keep_numel: int | None = None) -> int:
         """Manage one more slab (with its attached ``views``): written to its file now and released.
-        Returns its index."""
+        ``keep_numel``: only the slab's first elements are written back when it is released; the rest
+        is a scratch region (e.g. a gradient) written on its own with :meth:`write_region`. Returns
+        its index."""
         index = len(self.slabs)
         if slab.dim() != 1 or not slab.is_contiguous() or slab.device.type != "cpu":
             raise ValueError(f"{self.name} {index}: swapped slabs must be flat contiguous CPU tensors, got shape "
@@ -119,12 +124,18 @@ class SwappedSlabs:
             self.directory.check_room(nbytes, f"swapping {self.name} {index}")
         self.slabs.append(slab)
         self.nbytes.append(nbytes)
+        kept = slab.numel() if keep_numel is None else int(keep_numel)
+        if not 0 < kept <= slab.numel():
+            raise ValueError(f"{self.name} {index}: keep_numel {keep_numel} is outside 1..{slab.numel()}")
+        self.kept.append(kept * slab.element_size())
         self.paths.append(self.directory.file(f"{self.name}{index}.bin"))
         self.resident.append(True)
         self.views.append([])
         for view in views:
             self.attach(index, view)
         self.swap_out([index])
+        if os.path.getsize(self.paths[index]) < nbytes:  # the scratch tail reads as zeros until written
+            os.truncate(self.paths[index], nbytes)
         return index
 
     def attach(self, index: int, view: torch.Tensor) -> None:
@@ -178,8 +189,50 @@ class SwappedSlabs:
         return self.aio.submit_pread(self.slabs[i], str(self.paths[i]), 0)
 
     def _start_write(self, i: int) -> Any:
-        self.bytes_written += self.nbytes[i]
-        return self.aio.submit_pwrite(self.slabs[i], str(self.paths[i]), 0)
+        self.bytes_written += self.kept[i]
+        head = self.slabs[i][: self.kept[i] // self.slabs[i].element_size()]
+        return self.aio.submit_pwrite(head, str(self.paths[i]), 0)
+
+    # -- regions of a swapped-out slab ----------------------------------------------------------
+    def write_region(self, i: int, values: torch.Tensor, offset: int) -> Any:
+        """Start writing ``values`` (contiguous, the slab's dtype) at element ``offset`` of slab ``i``'s
+        file, while the slab is swapped out; returns the request (keep ``values`` alive until it is
+        waited for)."""
+        self._check_region(i, values, offset)
+        self.bytes_written += values.numel() * values.element_size()
+        return self.aio.submit_pwrite(values, str(self.paths[i]), offset * values.element_size())
+
+    def read_region(self, i: int, out: torch.Tensor, offset: int) -> None:
+        """Read ``out.numel()`` elements at element ``offset`` of slab ``i``'s file into ``out``."""
+        self._check_region(i, out, offset)
+        self.bytes_read += out.numel() * out.element_size()
+        start = time.perf_counter()
+        try:
+            self.aio.submit_pread(out, str(self.paths[i]), offset * out.element_size()).wait()
+        finally:
+            self.read_wait += time.perf_counter() - start
+
+    def wait_region_writes(self, requests: Sequence[Any]) -> None:
+        """Wait for :meth:`write_region` requests (all of them, then raise the first error)."""
+        errors = []
+        start = time.perf_counter()
+        for request in requests:
+            try:
+                request.wait()
+            except OSError as exc:
+                errors.append(exc)
+        self.write_wait += time.perf_counter() - start
+        if errors:
+            raise errors[0]
+
+    def _check_region(self, i: int, values: torch.Tensor, offset: int) -> None:
+        slab = self.slabs[i]
+        if self.resident[i]:
+            raise RuntimeError(f"{self.name} {i} is resident: use the slab in memory, not its file")
+        if values.dtype != slab.dtype or not values.is_contiguous() or values.device.type != "cpu" \
+                or not 0 <= offset <= slab.numel() - values.numel():
+            raise ValueError(f"{self.name} {i}: a region must be a contiguous CPU {slab.dtype} tensor inside the "
+                             f"slab (offset {offset}, {values.numel()} of {slab.numel()} elements)")
 
     def _wait_reads(self, requests: list[tuple[int, Any]]) -> None:
         errors = []
@@ -228,7 +281,8 @@ class SwappedSlabs:
         """Yield each index of ``order`` once its slab is resident; after the consumer moves on, the
         slab is written back (``write_back``) while the next ones are used, and released once written.
         The next ``lookahead`` slabs are read while one is in use: only the read of the slab about
-        to be used is waited for, so I/O overlaps the consumer's work. If the consumer fails, the slab
+        to be used is waited for, so I/O overlaps the consumer's work; the write of the previous slab
+        is waited for once the current one has been used, so at most ``lookahead + 2`` are resident. If the consumer fails, the slab
         it held is released without being written, so its file keeps the values from before the pass."""
         order = list(order)
         ahead = 0  # order[:ahead] have been started reading
@@ -249,6 +303,8 @@ class SwappedSlabs:
                 yield i
                 if write_back:
                     writes.append((i, self._start_write(i)))
+                    if len(writes) > self.writes_behind:  # bounded memory: wait for the oldest write
+                        self._wait_writes([writes.pop(0)])
                 else:
                     self._release(i)
             self._wait_writes(writes)

@@ -62,10 +62,12 @@ class InitPartition:
         self.param.data = self._empty
 
     def take_full(self) -> torch.Tensor:
-        """The full values (collective); afterwards this partition is dropped (the engine owns them)."""
+        """The full values (collective); afterwards this partition is dropped (the engine owns them, and
+        a model larger than memory must not keep both copies while the engine's units are made)."""
         self.gather()
         values = self.param.data
         self._gathered = None
+        self.shard = self._empty
         return values
 
     def tensors(self) -> list[torch.Tensor]:

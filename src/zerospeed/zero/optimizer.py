@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -65,9 +65,15 @@ class ZeroOptimizer:
                                   else [Tier("device", unit.shard.device) for unit in self.units])
         params_swapped = store is not None and store.params.name == "nvme"
         for u, unit in enumerate(self.units):
-            master = self.tiers[u].place(unit.shard, master_dtype)
-            if master is unit.shard and params_swapped and not unit.persistent:
-                master = unit.shard.clone()  # the shard goes to its own file: the master must not go with it
+            if self.tiers[u].name == "nvme":
+                # a placeholder, never written (so it takes no memory): adopt() makes the real master in
+                # the unit's slab, one unit at a time, once the optimizer's states are known
+                master = torch.empty(unit.plan.shard_numel, dtype=master_dtype)
+            else:
+                with unit.shard_resident():
+                    master = self.tiers[u].place(unit.shard, master_dtype)
+                    if master is unit.shard and params_swapped and not unit.persistent:
+                        master = unit.shard.clone()  # the shard has its own file: the master must not go with it
             self.masters.append(master)
             slot_of = {slot.name: i for i, slot in enumerate(unit.plan.params)}
             for piece in unit.plan.pieces(comm.rank):
@@ -91,6 +97,11 @@ class ZeroOptimizer:
         self.times = {"update": 0.0, "publish": 0.0}
         self.store = store
         self.swapped: SwappedOptimizerState | None = None  # NVMe-tier units, built by adopt()
+        # called with a unit's index once it is resident for its update, before its gradient is used
+        # (NVMe-kept gradient shards get the step's unscale and clip then)
+        self.before_update: Callable[[int], None] = lambda unit_index: None
+        # whether NVMe-tier slabs carry a gradient region (stages 2-3: gradient shards stay out of memory)
+        self.grads_in_slabs = False
 
     # -- wiring -----------------------------------------------------------------------------
     def adopt(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -134,7 +145,8 @@ class ZeroOptimizer:
         try:
             swapped = SwappedOptimizerState(units, RunDirectory(tier.path, run_id, self.comm.rank), handle,
                                             lookahead=self.store.nvme_lookahead)
-            swapped.build(optimizer, self.masters, self._grad_slices, initial)
+            swapped.build(optimizer, self.masters, self._grad_slices, initial, self._fill_master,
+                          with_grads=self.grads_in_slabs)
         except (OSError, ValueError, NotImplementedError, RuntimeError) as exc:
             error = exc
         try:
@@ -149,6 +161,12 @@ class ZeroOptimizer:
         self.swapped = swapped
         for u in units:
             self.units[u].master = self.masters[u]
+
+    def _fill_master(self, unit_index: int, out: torch.Tensor) -> None:
+        """Write unit ``unit_index``'s master values (its shard, in the master dtype) into ``out``."""
+        unit = self.units[unit_index]
+        with torch.no_grad(), unit.shard_resident():
+            out.copy_(unit.shard)
 
     def _slice_state(self, state: dict, param: torch.Tensor, piece: nn.Parameter, group: dict) -> dict:
         start, end, numel = self._piece_range[id(piece)]
@@ -231,6 +249,7 @@ class ZeroOptimizer:
                             # the copy-out targets are views of the shard: made while it is resident
                             unit_copy_out = self.copy_out_targets([u])
                             unit_copied = bool(unit_copy_out)
+                            self.before_update(u)
                             self._attach_grads({u: grad_shards[u]})
                             mine = self._unit_pieces[u]
                             for group, params in zip(groups, everything):

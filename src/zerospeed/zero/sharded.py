@@ -32,6 +32,7 @@ from zerospeed.zero.eager import EagerSteps, StepOverlap
 from zerospeed.zero.optimizer import ZeroOptimizer
 from zerospeed.zero.params import ParamCoordinator, PrefetchPolicy
 from zerospeed.zero.sharded_grads import GradSharding, ShardedGrads
+from zerospeed.zero.step_grads import StepGrads
 
 log = logging.getLogger("zerospeed")
 
@@ -63,9 +64,8 @@ class ShardedState:
                                      for s in specs], comm.world_size)
         device = next(iter(p for spec in specs for p in spec.params)).device if specs else torch.device("cpu")
         self.store = store if store is not None else StateStore.on_device(device)
-        self.units = [FlatParamUnit(plan, list(spec.params), comm, persistent=stage < 3 or spec.persistent,
-                                    shard_tier=self.store.params)
-                      for plan, spec in zip(self.plan.units, specs)]
+        self.param_swap: SwappedSlabs | None = None
+        self.units = self._build_units(specs, stage)
         overlap = zero_cfg.overlap_comm is not False  # DeepSpeed's None: on where it matters
         self.grads = ShardedGrads(self.units, comm, GradSharding.for_stage(stage), accum_dtype=accum_dtype,
                                   policy=reduction, overlap=overlap,
@@ -74,6 +74,8 @@ class ShardedState:
         self.zero_optimizer = ZeroOptimizer(self.units, comm, master_dtype=master_dtype,
                                             allgather_bucket_elems=int(zero_cfg.allgather_bucket_size),
                                             store=self.store)
+        self.zero_optimizer.grads_in_slabs = not self.grads.sharding.keep_full
+        self.zero_optimizer.before_update = self.grads.prepare
         # enabled by adopt(), once the optimizer is known to be elementwise
         self._overlap_requested = overlap_step or StepOverlap(False, 1, "not requested")
         self.eager = EagerSteps(self.zero_optimizer, self._overlap_requested.without("no optimizer"),
@@ -96,9 +98,6 @@ class ShardedState:
             unit.master_resident = lambda u=u: self.resident_state([u], write_back=True)
             for i, p in enumerate(unit.params):
                 setattr(p, OWNER, UnitParamRef(self, u, i))
-        self.param_swap: SwappedSlabs | None = None
-        if self.store.params.name == "nvme":
-            self.param_swap = self._swap_params_to_nvme()
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -106,15 +105,24 @@ class ShardedState:
 
     def adopt(self, optimizer: torch.optim.Optimizer) -> None:
         self.zero_optimizer.adopt(optimizer)
+        if self.zero_optimizer.swapped is not None:
+            self.grads.keep_on_nvme(self.zero_optimizer.swapped)
         overlap = self._overlap_requested
         if overlap.enabled and not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
             overlap = overlap.without(f"{type(optimizer).__name__} is not known to be elementwise (Lamb's trust "
                                       f"ratio needs whole-parameter norms), so the step runs after backward")
         self.eager.overlap = overlap
 
-    def _swap_params_to_nvme(self) -> SwappedSlabs:
-        """``offload_param.device: nvme``: every non-persistent unit's shard goes to a file of its own,
-        read in for its all-gather and for its update (see :class:`SlabLease`)."""
+    def _build_units(self, specs: list[UnitSpec], stage: int) -> list[FlatParamUnit]:
+        """The units, in order. ``offload_param.device: nvme``: each non-persistent unit's shard goes
+        to a file of its own as soon as the unit is made (so the shards are never all in memory), and
+        is read in for its all-gather and for its update (see :class:`SlabLease`)."""
+        units: list[FlatParamUnit] = []
+        if self.store.params.name != "nvme":
+            for plan, spec in zip(self.plan.units, specs):
+                units.append(FlatParamUnit(plan, list(spec.params), self.comm, persistent=stage < 3 or spec.persistent,
+                                           shard_tier=self.store.params))
+            return units
         from zerospeed.ops.aio import AsyncIOHandle
 
         tier = self.store.params
@@ -123,25 +131,38 @@ class ShardedState:
         handle = AsyncIOHandle.from_config(self.store.aio) if self.store.aio is not None else AsyncIOHandle()
         error: BaseException | None = None
         slabs: SwappedSlabs | None = None
+        directory: RunDirectory | None = None
         try:
             directory = RunDirectory(tier.path, f"{run_id}-params", self.comm.rank)
-            shards = [unit for unit in self.units if not unit.persistent]
-            directory.check_room(sum(u.shard.numel() * u.shard.element_size() for u in shards),
-                                 f"the parameter shards of {len(shards)} units")
+            swapped = [(plan, spec) for plan, spec in zip(self.plan.units, specs) if not spec.persistent]
+            directory.check_room(sum(plan.shard_numel * _itemsize(spec.params[0].dtype) for plan, spec in swapped),
+                                 f"the parameter shards of {len(swapped)} units")
             slabs = SwappedSlabs([], directory, handle, name="param")
-            for unit in shards:
-                alias = unit.shard.view(-1)  # the same memory; ``unit.shard`` is re-pointed in and out
-                unit.shard_lease = SlabLease(slabs, slabs.add(alias, [unit.shard], check_room=False))
         except (OSError, ValueError, RuntimeError) as exc:
             error = exc
+        for plan, spec in zip(self.plan.units, specs):
+            # every rank makes every unit (zero.Init partitions are gathered collectively), even after
+            # an error here, so that the ranks fail together below instead of waiting on each other
+            unit = FlatParamUnit(plan, list(spec.params), self.comm, persistent=stage < 3 or spec.persistent,
+                                 shard_tier=self.store.params)
+            units.append(unit)
+            if error is None and slabs is not None and not unit.persistent:
+                try:
+                    alias = unit.shard.view(-1)  # the same memory; ``unit.shard`` is re-pointed in and out
+                    unit.shard_lease = SlabLease(slabs, slabs.add(alias, [unit.shard], check_room=False))
+                except (OSError, ValueError, RuntimeError) as exc:
+                    error = exc
         try:
             self.comm.fail_together(error, "offload_param nvme")
         except BaseException:
             handle.close()
+            if directory is not None:
+                directory.close()
             raise
-        assert slabs is not None
+        assert slabs is not None and directory is not None
+        self.param_swap = slabs
         self._param_swap_parts = (handle, directory)
-        return slabs
+        return units
 
     def describe_offload(self) -> str:
         """Where state lives and when the optimizer steps, in one line (logged at initialize)."""
@@ -171,9 +192,9 @@ class ShardedState:
         return self.stage == 1
 
     # -- step -------------------------------------------------------------------------------
-    def step_grads(self) -> list[torch.Tensor]:
+    def step_grads(self) -> StepGrads:
         self.grads.finish()
-        return self.grads.shards()
+        return self.grads.step_grads()
 
     def sum_over_ranks(self, local: torch.Tensor) -> torch.Tensor:
         total = local.detach().to(device=self.store.compute.device, dtype=torch.float64).reshape(1).clone()
@@ -239,7 +260,9 @@ class ShardedState:
         unit = self.units[unit_index]
         if not unit.trainable[index]:
             return None
-        return unit.param_slice(unit.gather_shard_values(self.grads.units[unit_index].shard), index).float()
+        with self.resident_state([unit_index]):  # an NVMe-kept gradient shard comes in with its slab
+            shard = self.grads.units[unit_index].shard
+            return unit.param_slice(unit.gather_shard_values(shard), index).float()
 
     def full_optimizer_state(self, unit_index: int, index: int, key: str) -> torch.Tensor | None:
         self.settle()
@@ -362,12 +385,15 @@ class ShardedState:
             if not was_gathered:
                 unit.release()
 
-    def after_checkpoint_load(self) -> None:
+    def after_checkpoint_load(self, units: Sequence[int] | None = None) -> None:
         """The masters were overwritten: refresh the compute-dtype shards, re-gather the persistent
         units (collective), let stage-3 units gather afresh on next use, and drop stale gradients."""
-        self.release_all()
+        wanted = range(len(self.units)) if units is None else units
+        for u in wanted:
+            self.units[u].release()
         with torch.no_grad():
-            for unit, master in zip(self.units, self.zero_optimizer.masters):
+            for u in wanted:
+                unit, master = self.units[u], self.zero_optimizer.masters[u]
                 if master is not unit.shard:
                     with unit.shard_resident(write_back=True):
                         unit.shard.copy_(master)
@@ -397,6 +423,10 @@ class ShardedState:
                     p.data = unit.param_slice(unit.full, i).clone()
                     if getattr(p, OWNER, None) is not None:
                         delattr(p, OWNER)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
 
 
 def offloads_optimizer(zero_cfg: Any) -> bool:

@@ -12,12 +12,16 @@ The two ways of doing it differ only in the :class:`GradSharding` value:
   at the window's last micro-batch; the shard is a view of the accumulator.
 * stages 2-3 reduce every micro-batch, add the result into a shard-sized gradient that lives
   across the window, and free the full accumulator as soon as it has been reduced.
+
+Under ``offload_optimizer.device: nvme`` the stage-2/3 gradient shard of an NVMe-tier unit is not
+kept in memory at all: it is the gradient region of the unit's slab (:meth:`ShardedGrads.keep_on_nvme`),
+written as each reduction completes, with its norm measured on the window's last micro-batch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -25,6 +29,7 @@ from zerospeed.dist.comm import Comm, Handle
 from zerospeed.offload.store import Tier
 from zerospeed.zero.flat_param import FlatParamUnit
 from zerospeed.zero.grads import ReductionPolicy
+from zerospeed.zero.step_grads import StepGrads
 
 
 @dataclass(frozen=True)
@@ -53,10 +58,15 @@ class _UnitGrads:
         if keep_full:
             self.acc = torch.zeros(self.plan.padded_numel, dtype=dtype, device=self.device)
             self.shard = self.acc[lo:hi]
+        elif tier is not None and tier.name == "nvme":  # the slab's gradient region, set by keep_on_nvme
+            self.shard = torch.empty(0, dtype=torch.float32)
         else:  # in the optimizer's tier: an offloaded optimizer gets its gradients where it runs
             where = tier.device if tier is not None else self.device
             self.shard = torch.zeros(hi - lo, dtype=dtype, device=where,
                                      pin_memory=tier is not None and tier.pinned)
+        self.swapped: Any = None  # the SwappedOptimizerState keeping this shard on NVMe, if any
+        self.final_norm: torch.Tensor | None = None  # NVMe: the norm of this window's final value
+        self.prepared = False  # NVMe: the step's recorded unscale/clip applied since it was read in
         self.written = [False] * len(self.plan.params)  # slots of ``acc`` holding this window's values
         self.n_trainable = sum(unit.trainable)
         self.received: set[int] = set()
@@ -137,6 +147,18 @@ class ShardedGrads:
         # called with a unit's index when its shard is final (the early optimizer step listens)
         self.on_final_shard: Callable[[int], None] | None = None
         self._window_reduced = False  # stage 1: the window's accumulators have been reduced
+        self._step_grads: StepGrads | None = None  # this window's, once the step has asked for them
+        self._swapped: list[Any] = []  # the NVMe stores holding some units' shards
+
+    def keep_on_nvme(self, swapped: Any) -> None:
+        """Keep the shards of the units ``swapped`` (a :class:`SwappedOptimizerState`) holds gradient
+        regions for in those regions instead of memory (stages 2-3)."""
+        if self.sharding.keep_full:
+            return
+        for g in self.units:
+            if swapped.holds_grad(g.index):
+                g.shard, g.swapped = swapped.grads[g.index], swapped
+        self._swapped.append(swapped)
 
     # -- backward ---------------------------------------------------------------------------
     def begin_backward(self, reduce: bool) -> None:
@@ -215,6 +237,14 @@ class ShardedGrads:
         if self.sharding.keep_full:
             if out.data_ptr() != g.shard.data_ptr():
                 g.shard.copy_(out)
+        elif g.swapped is not None:  # into the unit's slab file, while backward goes on
+            value = g.swapped.store_grad(g.index, out.to("cpu"), accumulate=g.shard_written, accum_dtype=g.dtype)
+            g.shard_written = True
+            if self.final:
+                g.final_norm = torch.linalg.vector_norm(value, dtype=torch.float32)
+            assert g.acc is not None
+            self._pool.give(g.acc)
+            g.acc = None
         else:
             if out.device != g.shard.device:  # an offloaded gradient shard: this unit's part moves now
                 out = out.to(g.shard.device)
@@ -239,6 +269,8 @@ class ShardedGrads:
             self._next += 1
         while self._in_flight:
             self._complete(self._in_flight.pop(0))
+        for swapped in self._swapped:  # the gradient files are complete before anything reads them
+            swapped.flush_grads()
         for u in self.order:
             self.units[u].received.clear()
         self.reducing = False
@@ -262,8 +294,25 @@ class ShardedGrads:
 
     # -- step -------------------------------------------------------------------------------
     def shards(self) -> list[torch.Tensor]:
-        """This rank's averaged gradient shard of every unit (valid after the window's last backward)."""
+        """This rank's averaged gradient shard of every unit (valid after the window's last backward;
+        an NVMe-kept one only while its unit is resident, after :meth:`prepare`)."""
         return [g.shard for g in self.units]
+
+    def step_grads(self) -> StepGrads:
+        """The window's shards for the engine's unscale / norm / clip (see :mod:`zero.step_grads`)."""
+        entries = [(g.shard, (g.final_norm if g.final_norm is not None else torch.zeros(()))
+                    if g.swapped is not None else None) for g in self.units]
+        device = next((g.device for g in self.units), torch.device("cpu"))
+        self._step_grads = StepGrads(entries, device)
+        return self._step_grads
+
+    def prepare(self, unit_index: int) -> None:
+        """Unit ``unit_index``'s NVMe-kept shard was just read in: apply the step's unscale and clip
+        (once per window; a no-op for shards in memory, already done in place)."""
+        g = self.units[unit_index]
+        if g.swapped is not None and not g.prepared and self._step_grads is not None:
+            self._step_grads.apply(g.shard)
+            g.prepared = True
 
     def zero(self) -> None:
         """Start a new accumulation window."""
@@ -271,9 +320,13 @@ class ShardedGrads:
         while self._in_flight:  # only after an error mid-backward
             self._complete(self._in_flight.pop(0))
         self._window_reduced = False
+        self._step_grads = None
+        for swapped in self._swapped:
+            swapped.flush_grads()
         for g in self.units:
             g.written = [False] * len(g.plan.params)
             g.shard_written = False
+            g.final_norm, g.prepared = None, False
             g.received.clear()
             g.launched = False
         self._next = 0

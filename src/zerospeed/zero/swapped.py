@@ -1,11 +1,18 @@
-"""Optimizer state on NVMe: a unit's fp32 master and per-element optimizer states as one swapped slab.
+"""Optimizer state on NVMe: a unit's fp32 master, optimizer states and gradient as one swapped slab.
 
 For each unit in the NVMe tier, the master and every per-element state of its pieces (Adam's
 ``exp_avg`` and ``exp_avg_sq``, Adagrad's ``sum``, Lion's ``exp_avg``) are laid out in one flat
-fp32 slab — ``[master | state 1 | state 2 ...]``, each region shard-sized, pieces at their shard
-offsets — so the unit moves to and from its file in one request each way. The optimizer's pieces
-and state tensors are views of the slab (attached to it: empty while it is swapped out), so the
-optimizer, checkpoints and ``safe_get_full_*`` see ordinary tensors whenever the unit is resident.
+fp32 slab — ``[master | state 1 | state 2 ... | gradient]``, each region shard-sized, pieces at
+their shard offsets — so the unit moves to and from its file in one request each way. The
+optimizer's pieces and state tensors are views of the slab (attached to it: empty while it is
+swapped out), so the optimizer, checkpoints and ``safe_get_full_*`` see ordinary tensors whenever
+the unit is resident.
+
+The gradient region (stages 2-3) is scratch: each micro-batch's reduced gradient shard is written
+straight into it while backward goes on (read, added to and rewritten on later micro-batches of a
+window), it comes in with the rest of the slab at ``step()``, and write-back skips it. So neither the
+gradients nor the masters are ever all in memory: a unit's state is resident only while it updates.
+The masters are made here, one unit at a time, from the parameter shards.
 
 The states must exist before the first step (an optimizer creates them lazily, in memory, which is
 what NVMe offload must avoid), so only optimizers whose per-element states are known are supported:
@@ -15,7 +22,7 @@ they are created here as zeros, exactly as those optimizers would create them.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -51,26 +58,34 @@ class SwappedOptimizerState:
         self.lookahead = lookahead
         self.slabs: SwappedSlabs | None = None
         self._slab_of: dict[int, int] = {}  # unit index -> slab index
+        self._grad_at: dict[int, int] = {}  # unit index -> element offset of its gradient region
+        self.grads: dict[int, torch.Tensor] = {}  # unit index -> its gradient region (empty while out)
+        self._grad_writes: list[tuple[Any, torch.Tensor]] = []  # in flight: (request, its buffer)
 
     def build(self, optimizer: torch.optim.Optimizer, masters: list[torch.Tensor],
-              pieces: Sequence[tuple[torch.nn.Parameter, int, int, int]], initial_states: dict[int, dict]) -> None:
-        """Move the units' masters into slabs, create the optimizer's states there, and swap them out.
+              pieces: Sequence[tuple[torch.nn.Parameter, int, int, int]], initial_states: dict[int, dict],
+              fill_master: Callable[[int, torch.Tensor], None], with_grads: bool) -> None:
+        """Make each unit's slab — master (``fill_master(u, out)`` writes its values), the optimizer's
+        states, and a gradient region when ``with_grads`` — and swap it out, one unit at a time.
 
-        ``pieces``: ``(piece, unit, offset, numel)``; ``initial_states``: id(piece) -> a state the
-        optimizer already holds (Adagrad's accumulators from construction), copied into the slab.
+        ``masters[u]`` is a placeholder of the right size on entry (never written, so it costs no
+        memory) and the slab's master view on return. ``pieces``: ``(piece, unit, offset, numel)``;
+        ``initial_states``: id(piece) -> a state the optimizer already holds (Adagrad's accumulators
+        from construction), copied into the slab.
         """
         keys, scalars = per_element_states(optimizer)
         group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
-        total = sum((1 + len(keys)) * masters[u].numel() * 4 for u in self.units)
-        self.directory.check_room(total, f"the fp32 masters and {', '.join(keys)} of {len(self.units)} units")
+        regions = 1 + len(keys) + int(with_grads)
+        total = sum(regions * masters[u].numel() * 4 for u in self.units)
+        what = ", ".join(("fp32 masters",) + keys + (("gradients",) if with_grads else ()))
+        self.directory.check_room(total, f"the {what} of {len(self.units)} units")
         # one unit at a time: built, written out and released before the next is made
         self.slabs = SwappedSlabs([], self.directory, self.aio, lookahead=self.lookahead, name="unit")
         for u in self.units:
-            master = masters[u]
-            n = master.numel()
-            slab = torch.zeros((1 + len(keys)) * n, dtype=torch.float32)
+            n = masters[u].numel()
+            slab = torch.zeros(regions * n, dtype=torch.float32)
             new_master = slab[:n]
-            new_master.copy_(master)
+            fill_master(u, new_master)
             views: list[torch.Tensor] = [new_master]  # the very object masters[u] holds: kept valid
             masters[u] = new_master
             for piece, pu, offset, numel in pieces:
@@ -90,7 +105,45 @@ class SwappedOptimizerState:
                     state[key] = region
                     views.append(region)
                 optimizer.state[piece] = state
-            self._slab_of[u] = self.slabs.add(slab, views, check_room=False)
+            if with_grads:
+                self._grad_at[u] = (1 + len(keys)) * n
+                self.grads[u] = slab[self._grad_at[u]:]
+                views.append(self.grads[u])
+            self._slab_of[u] = self.slabs.add(slab, views, check_room=False, keep_numel=(1 + len(keys)) * n)
+
+    # -- gradients --------------------------------------------------------------------------------
+    def holds_grad(self, unit_index: int) -> bool:
+        return unit_index in self._grad_at
+
+    def store_grad(self, unit_index: int, values: torch.Tensor, accumulate: bool,
+                   accum_dtype: torch.dtype) -> torch.Tensor:
+        """Put one micro-batch's reduced gradient shard into unit ``unit_index``'s gradient region
+        (added to what the region holds when ``accumulate``, in ``accum_dtype`` as an in-memory
+        shard would be); returns the new value, whose write is in flight (:meth:`flush_grads`)."""
+        assert self.slabs is not None
+        i, at = self._slab_of[unit_index], self._grad_at[unit_index]
+        if accumulate:
+            old = torch.empty(values.numel(), dtype=torch.float32)
+            self.flush_grads()  # a write of this region may still be in flight
+            self.slabs.read_region(i, old, at)
+            total = old if accum_dtype == torch.float32 else old.to(accum_dtype)
+            total.add_(values)
+        else:
+            total = values.to(accum_dtype, copy=True)
+        stored = total if total.dtype == torch.float32 else total.float()
+        stored = stored.contiguous()
+        self._grad_writes.append((self.slabs.write_region(i, stored, at), stored))
+        while len(self._grad_writes) > max(self.lookahead, 1) + 1:  # bounded memory: wait for the oldest
+            request, _ = self._grad_writes.pop(0)
+            self.slabs.wait_region_writes([request])
+        return total
+
+    def flush_grads(self) -> None:
+        """Wait until every gradient written so far is in its file."""
+        if self.slabs is None:
+            return
+        pending, self._grad_writes = self._grad_writes, []
+        self.slabs.wait_region_writes([request for request, _ in pending])
 
     def swapped(self, unit_index: int) -> bool:
         return unit_index in self._slab_of
@@ -127,6 +180,7 @@ class SwappedOptimizerState:
 
     def close(self) -> None:
         """Stop the I/O threads (pending transfers end first), release the slabs, delete the files."""
+        self._grad_writes = []
         self.aio.close()
         if self.slabs is not None:
             self.slabs.close()
