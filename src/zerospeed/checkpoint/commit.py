@@ -24,15 +24,14 @@ import os
 import shutil
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from zerospeed.checkpoint import layout
 from zerospeed.checkpoint.layout import CheckpointError
-from zerospeed.checkpoint.safetensors_io import StreamingWriter
-from zerospeed.checkpoint.state_io import RankPayload
+from zerospeed.checkpoint.state_io import RankPayload, StreamedPayload
 
 _POLL = 0.02  # seconds between store polls; store.wait would hold the store client's lock
 _BEAT = 1.0  # seconds between a saving rank's heartbeats
@@ -149,12 +148,13 @@ class SaveJob:
     save_dir: str
     tmp_dir: str
     tag: str
-    payload: RankPayload
+    payload: RankPayload | StreamedPayload
     rank_state: bytes  # serialized on the calling thread: later changes by the caller cannot leak in
     engine_state: bytes | None  # rank 0: scheduler, client state
     manifest: dict[str, Any] | None  # rank 0: everything but the per-rank parts
     save_latest: bool
     lease: layout.DirLease | None = None  # keeps other saves' sweeps out of tmp_dir until done
+    tensors_written: bool = field(default=False, init=False)
 
     def run(self) -> str:
         try:
@@ -188,14 +188,20 @@ class SaveJob:
             raise CheckpointError(f"checkpoint {self.tag!r} was not committed: {outcome}")
         return os.path.join(self.save_dir, self.tag)
 
+    def write_tensors(self) -> None:
+        """This rank's safetensors file, once: :meth:`run` writes it unless the caller already did (an
+        asynchronous save of NVMe-tier state writes it on the training thread, which owns that state)."""
+        if not self.tensors_written:
+            rank = self.sync.rank
+            path = os.path.join(self.tmp_dir, layout.rank_file(rank))
+            self.payload.write(path, {"format": layout.FORMAT, "rank": str(rank)})
+            self.tensors_written = True
+
     def _write_own(self) -> None:
         rank = self.sync.rank
         name = layout.rank_file(rank)
         path = os.path.join(self.tmp_dir, name)
-        entries = [(key, t.dtype, (t.numel(),)) for key, t in self.payload.tensors]
-        with StreamingWriter(path, entries, {"format": layout.FORMAT, "rank": str(rank)}) as writer:
-            for _, tensor in self.payload.tensors:
-                writer.write(tensor)
+        self.write_tensors()
         files = {name: os.path.getsize(path)}
         files.update(_write_bytes(os.path.join(self.tmp_dir, layout.rank_state(rank)), self.rank_state))
         if self.engine_state is not None:

@@ -4,6 +4,10 @@ Model and optimizer state go through :mod:`state_io` as topology-free fragments;
 counters, loss scaler and optimizer hyperparameters in the manifest (JSON), the LR scheduler and the
 user's ``client_state`` in ``engine_state.pt``, and each rank's RNG states and data position in its
 own ``rank<N>.state.pt`` so a resumed run draws the same dropout masks and batches.
+
+State kept in an NVMe tier (``engine.state.checkpoint_groups()`` is not None) is saved and loaded
+one group of units at a time, each resident only while it is used, so a checkpoint needs no more
+memory than one unit's master and optimizer state; the files are the same as from memory.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import logging
 import os
 import random
 import warnings
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -23,8 +27,9 @@ from zerospeed.checkpoint import layout
 from zerospeed.checkpoint.commit import BackgroundSave, RankSync, SaveJob, serialize
 from zerospeed.checkpoint.layout import BUFFER, CheckpointError
 from zerospeed.checkpoint.reader import CheckpointSet
-from zerospeed.checkpoint.state_io import (collect, describe_groups, load_masters, restore_optimizer_states,
-                                           load_param_groups)
+from zerospeed.checkpoint.state_io import (RankPayload, StreamedPayload, collect, describe_groups, keep_states_of,
+                                           load_masters, load_param_groups, missing_params,
+                                           restore_optimizer_states)
 
 log = logging.getLogger("zerospeed")
 # Ranks reach a save within moments of each other (the last step's collectives line them up); one
@@ -97,20 +102,18 @@ def _prepare(engine: Any, sync: RankSync, save_dir: str, tmp_dir: str, tag: str,
             layout.remove_stale_temporaries(save_dir, keep=tmp_dir)
         writer = engine.config.checkpoint.writer
         asynchronous = (writer is not None and writer.decoupled) if async_save is None else bool(async_save)
-        swapped = getattr(engine.state, "zero_optimizer", None) is not None \
-            and engine.state.zero_optimizer.swapped is not None
-        # NVMe-tier state is in memory only inside this block: copy it out before it is released
-        with engine.state.resident_state():
-            slots = engine.state.checkpoint_slots(for_save=True)
-            if exclude_frozen_parameters:
-                frozen = {p.name for p in engine.state.checkpoint_params() if not p.trainable}
-                slots = [slot for slot in slots if slot.param not in frozen]
-            payload = collect(slots, engine.optimizer, with_optimizer=True)
-            buffers = _persistent_buffers(engine.module) if comm.rank == 0 else {}
-            for name, buf in buffers.items():
-                payload.add(BUFFER, name, 0, buf.numel(), buf.detach().reshape(-1))
-            if asynchronous or swapped:
+        frozen = ({p.name for p in engine.state.checkpoint_params() if not p.trainable}
+                  if exclude_frozen_parameters else set())
+        buffers = _persistent_buffers(engine.module) if comm.rank == 0 else {}
+        groups = engine.state.checkpoint_groups()
+        payload: RankPayload | StreamedPayload
+        if groups is None:  # everything in memory: views of the live state (copied for an async save)
+            payload = _collect_part(engine, None, frozen)
+            payload.extend(RankPayload.of_buffers(buffers))
+            if asynchronous:
                 payload = payload.snapshot()
+        else:  # NVMe tier: one group of units resident at a time, written from there (see _stream_parts)
+            payload = StreamedPayload(_stream_parts(engine, groups, frozen, buffers))
         rank_state = serialize({"rng": _rng_state(), "loader": _loader_state(engine)})
         engine_state = manifest = None
         if comm.rank == 0:
@@ -119,11 +122,38 @@ def _prepare(engine: Any, sync: RankSync, save_dir: str, tmp_dir: str, tag: str,
                                       else None, "client_state": client_state or {}})
             manifest = _manifest(engine, tag, buffers)
             manifest["excluded_frozen_parameters"] = bool(exclude_frozen_parameters)
+        job = SaveJob(sync, save_dir, tmp_dir, tag, payload, rank_state, engine_state, manifest, save_latest, lease)
+        if asynchronous and groups is not None:
+            # swapped state cannot be snapshotted in memory, and only this thread may make it resident:
+            # its file is written before returning; the small files and the commit go on in the background
+            with sync.heartbeat():
+                job.write_tensors()
+            log.info("save_checkpoint(async_save=True): rank %d wrote its NVMe-tier state (%d unit group(s), "
+                     "%.3g MB) before returning; the rest of checkpoint %r is saved in the background",
+                     comm.rank, len(groups), payload.nbytes / 2**20, tag)
     except BaseException:
         lease.release()
         raise
-    job = SaveJob(sync, save_dir, tmp_dir, tag, payload, rank_state, engine_state, manifest, save_latest, lease)
     return job, asynchronous
+
+
+def _collect_part(engine: Any, units: list[int] | None, frozen: set[str]) -> RankPayload:
+    """Fragments of ``units``' slots (default: all), frozen parameters excluded (views, not copies)."""
+    slots = engine.state.checkpoint_slots(for_save=True, units=units)
+    return collect([slot for slot in slots if slot.param not in frozen], engine.optimizer, with_optimizer=True)
+
+
+def _stream_parts(engine: Any, groups: list[list[int]], frozen: set[str],
+                  buffers: dict[str, torch.Tensor]) -> Callable[[], Iterator[RankPayload]]:
+    """The parts of a streamed save: each group's fragments while that group alone is resident (read
+    only: nothing is written back), then the buffers."""
+    def parts() -> Iterator[RankPayload]:
+        for group in groups:
+            with engine.state.resident_state(group, write_back=False):
+                yield _collect_part(engine, group, frozen)
+        if buffers:
+            yield RankPayload.of_buffers(buffers)
+    return parts
 
 
 def _manifest(engine: Any, tag: str, buffers: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -174,18 +204,14 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
         warnings.warn(f"load_checkpoint: {load_dir} holds no checkpoint (no '{layout.LATEST}' file and no tag "
                       f"given); nothing was loaded", stacklevel=3)
         return None, None
-    # NVMe-tier state is read into memory for the load and written back after it
-    with CheckpointSet(path) as ckpt, engine.state.resident_state(write_back=True):
+    with_optimizer = load_optimizer_states and not load_module_only
+    groups = engine.state.checkpoint_groups()
+    with CheckpointSet(path) as ckpt:
         manifest = ckpt.manifest
-        error: BaseException | None = None
-        engine_state: dict[str, Any] = {}
-        try:  # each rank reads different ranges: agree on the outcome before the collective refresh
-            engine_state = _load_tensors(engine, ckpt, load_module_strict,
-                                         load_optimizer_states and not load_module_only)
-        except (CheckpointError, OSError, ValueError, KeyError, RuntimeError) as exc:
-            error = exc
-        comm.fail_together(error, "load_checkpoint", error_type=CheckpointError)
-        engine.state.after_checkpoint_load()
+        if groups is None:
+            engine_state = _load_all(engine, ckpt, load_module_strict, with_optimizer)
+        else:
+            engine_state = _load_streamed(engine, ckpt, groups, load_module_strict, with_optimizer)
     if load_module_only:
         return path, engine_state.get("client_state")
     _load_scaler(engine, manifest["loss_scaler"])
@@ -205,28 +231,92 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
     return path, engine_state.get("client_state")
 
 
-def _load_tensors(engine: Any, ckpt: CheckpointSet, strict: bool, with_optimizer: bool) -> dict[str, Any]:
-    """Masters, buffers and (optionally) optimizer states of this rank; returns the engine state file."""
+# What a rank may fail with while reading its part of a checkpoint (agreed on before any collective).
+_LOAD_ERRORS = (CheckpointError, OSError, ValueError, KeyError, RuntimeError)
+
+
+def _load_all(engine: Any, ckpt: CheckpointSet, strict: bool, with_optimizer: bool) -> dict[str, Any]:
+    """Everything in memory: read this rank's state, agree on the outcome, refresh (collective)."""
+    error: BaseException | None = None
+    engine_state: dict[str, Any] = {}
+    with engine.state.resident_state(write_back=True):
+        try:  # each rank reads different ranges: agree on the outcome before the collective refresh
+            slots = engine.state.checkpoint_slots(for_save=False)
+            engine_state = _load_common(engine, ckpt, [slot.param for slot in slots], strict, with_optimizer)
+            load_masters(slots, ckpt, strict=strict, optional=_optional(engine, ckpt))
+            if _loads_optimizer(engine, ckpt, with_optimizer):
+                restore_optimizer_states(slots, engine.optimizer, ckpt)
+        except _LOAD_ERRORS as exc:
+            error = exc
+        engine.comm.fail_together(error, "load_checkpoint", error_type=CheckpointError)
+        engine.state.after_checkpoint_load()
+    return engine_state
+
+
+def _load_streamed(engine: Any, ckpt: CheckpointSet, groups: list[list[int]], strict: bool,
+                   with_optimizer: bool) -> dict[str, Any]:
+    """NVMe tier: one group of units resident at a time, loaded, refreshed and written back before
+    the next (the ranks agree on each group's outcome before its collective refresh)."""
+    comm, state = engine.comm, engine.state
+    error: BaseException | None = None
+    engine_state: dict[str, Any] = {}
+    try:
+        names = [p.name for p in state.checkpoint_params()]  # the slots' names need their units resident
+        engine_state = _load_common(engine, ckpt, names, strict, with_optimizer)
+    except _LOAD_ERRORS as exc:
+        error = exc
+    comm.fail_together(error, "load_checkpoint", error_type=CheckpointError)
+    optional, optimizer = _optional(engine, ckpt), _loads_optimizer(engine, ckpt, with_optimizer)
+    keys: list[torch.Tensor] = []
+    for group in groups:
+        with state.resident_state(group, write_back=True):
+            try:
+                slots = state.checkpoint_slots(for_save=False, units=group)
+                load_masters(slots, ckpt, strict=False, optional=optional)  # strict: checked above
+                if optimizer:
+                    restore_optimizer_states(slots, engine.optimizer, ckpt, replace=False)
+                    keys += [slot.opt_key for slot in slots if slot.opt_key is not None]
+            except _LOAD_ERRORS as exc:
+                error = exc
+            comm.fail_together(error, "load_checkpoint", error_type=CheckpointError)
+            state.after_checkpoint_load(units=group)  # while the group's masters are resident
+    if optimizer:
+        keep_states_of(engine.optimizer, keys)
+    return engine_state
+
+
+def _load_common(engine: Any, ckpt: CheckpointSet, names: list[str], strict: bool,
+                 with_optimizer: bool) -> dict[str, Any]:
+    """Check everything first (names, shapes, ``names``' values present, the optimizer's class), then
+    read all but masters and optimizer states: buffers, param groups; returns the engine state file."""
     manifest = ckpt.manifest
     _check_names(engine, ckpt, strict=strict)
-    optional = ({p.name for p in engine.state.checkpoint_params() if not p.trainable}
-                if manifest.get("excluded_frozen_parameters") else set())
-    load_masters(engine.state.checkpoint_slots(for_save=False), ckpt, strict=strict, optional=optional)
+    missing_params(names, ckpt, strict=strict)
+    optimizer = engine.optimizer if _loads_optimizer(engine, ckpt, with_optimizer) else None
+    saved_class = manifest["optimizer"]["class"] if optimizer is not None else None
+    if optimizer is not None and _state_family(saved_class) != _state_family(type(optimizer).__name__):
+        raise CheckpointError(f"{ckpt.path} holds {saved_class} states but this engine's optimizer is "
+                              f"{type(optimizer).__name__}; load with load_optimizer_states=False")
     saved_buffers = {b["name"] for b in manifest.get("buffers", [])}
     with torch.no_grad():
         for name, buf in _persistent_buffers(engine.module).items():
             if name in saved_buffers:
                 ckpt.read_range(BUFFER, name, 0, buf.numel(), buf)
     engine_state = _load_torch(os.path.join(ckpt.path, layout.ENGINE_STATE)) or {}
-    optimizer = engine.optimizer
-    if with_optimizer and optimizer is not None and manifest.get("optimizer") is not None:
-        saved_class = manifest["optimizer"]["class"]
-        if _state_family(saved_class) != _state_family(type(optimizer).__name__):
-            raise CheckpointError(f"{ckpt.path} holds {saved_class} states but this engine's optimizer is "
-                                  f"{type(optimizer).__name__}; load with load_optimizer_states=False")
+    if optimizer is not None:
         load_param_groups(optimizer, ckpt)
-        restore_optimizer_states(engine.state.checkpoint_slots(for_save=False), optimizer, ckpt)
     return engine_state
+
+
+def _loads_optimizer(engine: Any, ckpt: CheckpointSet, with_optimizer: bool) -> bool:
+    return with_optimizer and engine.optimizer is not None and ckpt.manifest.get("optimizer") is not None
+
+
+def _optional(engine: Any, ckpt: CheckpointSet) -> set[str]:
+    """Frozen parameters a save excluded: they keep their current values."""
+    if not ckpt.manifest.get("excluded_frozen_parameters"):
+        return set()
+    return {p.name for p in engine.state.checkpoint_params() if not p.trainable}
 
 
 # Optimizers whose per-parameter state has the same keys and meaning (a run that turns CPU offload on

@@ -8,14 +8,16 @@ manifest. Loading asks the checkpoint for exactly the ranges the new topology's 
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from zerospeed.checkpoint.layout import MASTER, OPTIM_PREFIX, CheckpointError, tensor_key
+from zerospeed.checkpoint.layout import BUFFER, MASTER, OPTIM_PREFIX, CheckpointError, tensor_key
 from zerospeed.checkpoint.reader import CheckpointSet
+from zerospeed.checkpoint.safetensors_io import StreamingWriter
 from zerospeed.sharding.slots import Slot
 
 SCALAR_KEYS = frozenset({"step"})  # per-parameter counters, never per element
@@ -43,6 +45,71 @@ class RankPayload:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for _, t in self.tensors)
+
+    @classmethod
+    def of_buffers(cls, buffers: Mapping[str, torch.Tensor]) -> "RankPayload":
+        """The model's buffers, whole (views)."""
+        out = cls()
+        for name, buf in buffers.items():
+            out.add(BUFFER, name, 0, buf.numel(), buf.detach().reshape(-1))
+        return out
+
+    def extend(self, other: "RankPayload") -> None:
+        """Append ``other`` (fragments of other parameters: a later group of units, the buffers)."""
+        self.tensors += other.tensors
+        self.fragments += other.fragments
+        self.scalars.update(other.scalars)
+        for g, names in enumerate(other.group_params):
+            while len(self.group_params) <= g:
+                self.group_params.append([])
+            self.group_params[g] += names
+
+    def write(self, path: str, metadata: Mapping[str, str]) -> None:
+        """The tensors as one safetensors file, in order."""
+        entries = [(key, t.dtype, (t.numel(),)) for key, t in self.tensors]
+        with StreamingWriter(path, entries, metadata) as writer:
+            for _, tensor in self.tensors:
+                writer.write(tensor)
+
+
+class StreamedPayload:
+    """A rank's fragments produced in parts, each valid only until the next is asked for (NVMe-tier
+    units made resident one group at a time), so a save never holds more than one part in memory.
+
+    A safetensors header lists every tensor before the data, so the parts are visited twice: once
+    here for the keys, dtypes and sizes (and the fragments, scalars and group membership, which the
+    index needs), once by :meth:`write`. The second visit must produce the same tensors; the state
+    must not change in between (a save runs on the training thread between steps).
+    """
+
+    def __init__(self, parts: Callable[[], Iterator[RankPayload]]):
+        self._parts = parts
+        self._entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+        summary = RankPayload()
+        with contextlib.closing(parts()) as visit:
+            for part in visit:
+                self._entries += [(key, t.dtype, (t.numel(),)) for key, t in part.tensors]
+                summary.extend(RankPayload([], part.fragments, part.scalars, part.group_params))
+        self.fragments, self.scalars, self.group_params = summary.fragments, summary.scalars, summary.group_params
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n[0] * torch.empty(0, dtype=dtype).element_size() for _, dtype, n in self._entries)
+
+    def write(self, path: str, metadata: Mapping[str, str]) -> None:
+        """Write the file, visiting the parts again (one in memory at a time)."""
+        position = 0
+        with StreamingWriter(path, self._entries, metadata) as writer, contextlib.closing(self._parts()) as visit:
+            for part in visit:
+                for key, tensor in part.tensors:
+                    got = (key, tensor.dtype, (tensor.numel(),))
+                    expected = self._entries[position] if position < len(self._entries) else None
+                    if got != expected:
+                        raise CheckpointError(f"{path}: tensor {position} changed while the save visited the "
+                                              f"state twice (first {expected}, now {got}); do not change the "
+                                              f"model or optimizer while save_checkpoint runs")
+                    writer.write(tensor)
+                    position += 1
 
 
 def collect(slots: Sequence[Slot], optimizer: torch.optim.Optimizer | None, *, with_optimizer: bool) -> RankPayload:
@@ -102,10 +169,7 @@ def load_masters(slots: Sequence[Slot], ckpt: CheckpointSet, *, strict: bool,
                  optional: set[str] | frozenset[str] = frozenset()) -> list[str]:
     """Fill every slot's master values; returns the parameters the checkpoint lacks (an error when
     ``strict``, unless they are ``optional``: frozen parameters a save excluded keep their values)."""
-    missing = sorted({slot.param for slot in slots if ckpt.canonical(slot.param) is None})
-    if missing and strict:
-        raise CheckpointError(f"{ckpt.path} has no values for {len(missing)} parameter(s) of this model: "
-                              f"{_names(missing)}; load with load_module_strict=False to keep their current values")
+    missing = missing_params([slot.param for slot in slots], ckpt, strict=strict)
     keep = set(missing) | {slot.param for slot in slots if slot.param in optional and not ckpt.has(MASTER, slot.param)}
     with torch.no_grad():
         for slot in slots:
@@ -114,8 +178,20 @@ def load_masters(slots: Sequence[Slot], ckpt: CheckpointSet, *, strict: bool,
     return missing
 
 
-def restore_optimizer_states(slots: Sequence[Slot], optimizer: torch.optim.Optimizer, ckpt: CheckpointSet) -> None:
-    """Rebuild the optimizer's per-parameter state for the tensors this rank now holds."""
+def missing_params(names: Iterable[str], ckpt: CheckpointSet, *, strict: bool) -> list[str]:
+    """The parameters of ``names`` the checkpoint has no values for (an error when ``strict``)."""
+    missing = sorted({name for name in names if ckpt.canonical(name) is None})
+    if missing and strict:
+        raise CheckpointError(f"{ckpt.path} has no values for {len(missing)} parameter(s) of this model: "
+                              f"{_names(missing)}; load with load_module_strict=False to keep their current values")
+    return missing
+
+
+def restore_optimizer_states(slots: Sequence[Slot], optimizer: torch.optim.Optimizer, ckpt: CheckpointSet,
+                             *, replace: bool = True) -> None:
+    """Rebuild the optimizer's per-parameter state for the tensors this rank now holds: all of it
+    (``replace``: states of tensors not among ``slots`` are dropped), or only that of ``slots``' tensors
+    (a load visiting groups of units; :func:`keep_states_of` drops the rest at the end)."""
     saved = ckpt.manifest.get("optimizer") or {}
     scalars = saved.get("scalars", {})
     by_key: dict[int, list[Slot]] = defaultdict(list)
@@ -150,8 +226,20 @@ def restore_optimizer_states(slots: Sequence[Slot], optimizer: torch.optim.Optim
             entry[key] = _decode_scalar(value, key_tensor)
         if entry:
             state[key_tensor] = entry
-    optimizer.state.clear()
+    if replace:
+        optimizer.state.clear()
+    else:
+        for group in by_key.values():
+            optimizer.state.pop(group[0].opt_key, None)
     optimizer.state.update(state)
+
+
+def keep_states_of(optimizer: torch.optim.Optimizer, keys: Iterable[torch.Tensor]) -> None:
+    """Drop the optimizer state of every tensor but ``keys`` (after loading group by group, what a
+    single :func:`restore_optimizer_states` with ``replace`` would have dropped)."""
+    wanted = {id(key) for key in keys}
+    for key in [key for key in optimizer.state if id(key) not in wanted]:
+        del optimizer.state[key]
 
 
 def load_param_groups(optimizer: torch.optim.Optimizer, ckpt: CheckpointSet) -> None:
