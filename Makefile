@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.zerospeed-installed
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench clean infinity
 
 install: $(STAMP)
 
@@ -21,6 +21,11 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# ZeRO-Infinity: a ~2.5B-parameter GPT whose training state is > 1.5 x RAM, on NVMe (~45 GB of swap files
+# under the temp dir, about 10 minutes); see examples/infinity/README.md.
+infinity: install
+	$(BIN)/python examples/infinity/train.py
 
 bench: install
 	$(BIN)/python benchmarks/bench_comm.py
