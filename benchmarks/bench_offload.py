@@ -64,7 +64,7 @@ def _config(name: str, spec: dict, sub_group: int, nvme_dir: str) -> dict:
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_dir, "pipeline_read": True,
                                      "pipeline_write": True, "buffer_count": 4}
         if stage == 3:
-            zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_dir}
+            zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_dir, "max_in_cpu": 0}
     return {"train_micro_batch_size_per_gpu": spec["batch"], "gradient_accumulation_steps": 1,
             "optimizer": {"type": "AdamW", "params": {k: list(v) if isinstance(v, tuple) else v
                                                       for k, v in gb.ADAMW.items()}},

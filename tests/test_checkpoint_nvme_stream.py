@@ -38,7 +38,7 @@ def _config(root: str, optimizer: str, params_on_nvme: bool = False) -> dict[str
                             "offload_optimizer": {"device": optimizer, **({"nvme_path": root} if optimizer == "nvme"
                                                                         else {})}}
     if params_on_nvme:
-        zero["offload_param"] = {"device": "nvme", "nvme_path": root}
+        zero["offload_param"] = {"device": "nvme", "nvme_path": root, "max_in_cpu": 0}
     return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
             "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
             "zero_optimization": zero, "aio": {"block_size": 4096, "queue_depth": 4}}

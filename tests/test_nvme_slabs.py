@@ -171,3 +171,31 @@ def test_missing_path_and_no_room_are_clear_errors(tmp_path: Path, monkeypatch: 
         directory.check_room(2 << 30, "optimizer states")
     assert info.value.errno == errno.ENOSPC
     directory.check_room(1 << 29, "optimizer states")
+
+
+def test_resident_slabs_reuse_a_few_page_aligned_buffers_and_free_the_callers_memory(tmp_path: Path) -> None:
+    """A pass over many slabs uses at most lookahead + 2 buffers (reused, page-aligned for O_DIRECT), a
+    scratch tail is never written back (only by write_region), and the memory handed over at add() is
+    freed at once."""
+    import mmap
+
+    originals = [torch.randn(1000 + 300 * i) for i in range(6)]
+    given = [t.clone() for t in originals]
+    slabs = SwappedSlabs([], RunDirectory(tmp_path, "run", 0), ImmediateIO(), lookahead=1)
+    for t in given:
+        slabs.add(t, keep_numel=t.numel() - 10)  # the last 10 elements are scratch
+    assert all(t.untyped_storage().nbytes() == 0 for t in given)  # the caller's copies are gone
+    buffers = set()
+    for _ in range(2):
+        for i in slabs.stream(range(6)):
+            slab = slabs.slabs[i]
+            assert slab.data_ptr() % mmap.PAGESIZE == 0
+            assert torch.equal(slab[:-10], originals[i][:-10])
+            assert not slab[-10:].any()  # scratch: zeros in the file until written on its own
+            buffers.add(slab.data_ptr())
+            slab[-10:].fill_(7.0)  # scratch: changed in memory, not written back
+    assert len(buffers) <= 3, len(buffers)
+    slabs.write_region(4, torch.full((10,), 3.0), originals[4].numel() - 10)
+    with slabs.resident_during([4]):
+        assert torch.equal(slabs.slabs[4][:-10], originals[4][:-10])
+        assert torch.equal(slabs.slabs[4][-10:], torch.full((10,), 3.0))

@@ -140,13 +140,22 @@ def _bf16_edits_and_loads(root: str) -> list[Any]:
     cpu, *_ = zerospeed.initialize(model=_model(), config=config("cpu"))
     nvme, *_ = zerospeed.initialize(model=_model(), config=config("nvme"))
     both_cfg = config("nvme")
-    both_cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": root}
+    both_cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": root, "max_in_cpu": 0}
     both, *_ = zerospeed.initialize(model=_model(), config=both_cfg)  # parameters on NVMe as well
+    # max_in_cpu: the first unit's shard fits and stays in memory, the others go to NVMe
+    first_unit = next(u for u in cpu.state.units if not u.persistent)
+    part_cfg = config("nvme")
+    part_cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": root,
+                                                      "max_in_cpu": first_unit.plan.shard_numel}
+    part, *_ = zerospeed.initialize(model=_model(), config=part_cfg)
+    kept = [u.shard_lease is None for u in part.state.units if not u.persistent]
     run(cpu)
     run(nvme)
     run(both)
-    same = _full_state(cpu) == _full_state(nvme) == _full_state(both)
+    run(part)
+    same = _full_state(cpu) == _full_state(nvme) == _full_state(both) == _full_state(part)
     both.destroy()
+    part.destroy()
     first = next(nvme.module.parameters())
     with zerospeed.zero.GatheredParameters(first, modifier_rank=0):
         with torch.no_grad():
@@ -161,13 +170,14 @@ def _bf16_edits_and_loads(root: str) -> list[Any]:
     continued = _full_state(loaded) == _full_state(cpu)
     for engine in (nvme, loaded):
         engine.destroy()
-    return [same, edited, reloaded, continued]
+    return [same, edited, reloaded, continued, kept]
 
 
 def test_nvme_bf16_edits_and_loading_into_an_nvme_engine(tmp_path: Path) -> None:
-    for rank, (same, edited, reloaded, continued) in enumerate(run_distributed(_bf16_edits_and_loads, 2,
-                                                                                str(tmp_path), timeout=300)):
-        assert same, f"rank {rank}: NVMe and CPU offload differ in bf16"
+    for rank, (same, edited, reloaded, continued, kept) in enumerate(run_distributed(_bf16_edits_and_loads, 2,
+                                                                                      str(tmp_path), timeout=300)):
+        assert kept[0] and not all(kept), f"rank {rank}: max_in_cpu should keep exactly the first unit: {kept}"
+        assert same, f"rank {rank}: NVMe (parameters also on NVMe, or partly kept by max_in_cpu) and CPU offload differ in bf16"
         assert edited, f"rank {rank}: a GatheredParameters edit did not reach the swapped master"
         assert reloaded and continued, f"rank {rank}: loading into an NVMe engine (reloaded={reloaded})"
 
@@ -179,7 +189,7 @@ def _params_on_nvme(root: str) -> list[Any]:
     for optimizer_device in ("cpu", "nvme"):
         plain, *_ = zerospeed.initialize(model=_model(), config=_config(3, None))
         cfg = _config(3, None)
-        cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": root}
+        cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": root, "max_in_cpu": 0}
         cfg["zero_optimization"]["offload_optimizer"] = (
             {"device": "cpu"} if optimizer_device == "cpu" else {"device": "nvme", "nvme_path": root})
         swapped, *_ = zerospeed.initialize(model=_model(), config=cfg)

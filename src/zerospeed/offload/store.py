@@ -57,6 +57,10 @@ class StateStore:
     offload_ratio: float = 1.0  # fraction of the optimizer's elements in ``optimizer`` (the rest: ``compute``)
     aio: Any = None  # the ``aio`` config section (block size, queue depth...) for NVMe tiers
     nvme_lookahead: int = 1  # NVMe: units read ahead of the one being updated
+    # offload_param nvme: shard elements kept in CPU memory anyway (``max_in_cpu``: the first units
+    # that fit), and how many freed shard buffers are kept for reuse (``buffer_count``)
+    params_in_memory: int = 0
+    param_buffers: int = 5
 
     @classmethod
     def from_config(cls, zero_cfg: Any, compute_device: torch.device, accelerator: Accelerator,
@@ -70,7 +74,8 @@ class StateStore:
         # buffer_count slabs: one being updated, one being written back, the rest read ahead
         lookahead = max(int(opt_cfg.buffer_count) - 2, 1) if opt_cfg.pipeline_read else 1
         return cls(compute=compute, optimizer=optimizer, params=params, offload_ratio=ratio, aio=aio,
-                   nvme_lookahead=lookahead)
+                   nvme_lookahead=lookahead, params_in_memory=int(par_cfg.max_in_cpu),
+                   param_buffers=int(par_cfg.buffer_count))
 
     @classmethod
     def on_device(cls, device: torch.device) -> "StateStore":

@@ -116,7 +116,8 @@ class ShardedState:
     def _build_units(self, specs: list[UnitSpec], stage: int) -> list[FlatParamUnit]:
         """The units, in order. ``offload_param.device: nvme``: each non-persistent unit's shard goes
         to a file of its own as soon as the unit is made (so the shards are never all in memory), and
-        is read in for its all-gather and for its update (see :class:`SlabLease`)."""
+        is read in for its all-gather and for its update (see :class:`SlabLease`) — except the first
+        units whose shards fit in ``max_in_cpu`` elements, which stay in CPU memory (as in DeepSpeed)."""
         units: list[FlatParamUnit] = []
         if self.store.params.name != "nvme":
             for plan, spec in zip(self.plan.units, specs):
@@ -132,12 +133,20 @@ class ShardedState:
         error: BaseException | None = None
         slabs: SwappedSlabs | None = None
         directory: RunDirectory | None = None
+        # ``max_in_cpu``: the first units whose shards fit stay in CPU memory (the same on every rank)
+        in_memory, budget = set(), self.store.params_in_memory
+        for plan, spec in zip(self.plan.units, specs):
+            if not spec.persistent and plan.shard_numel <= budget:
+                in_memory.add(id(plan))
+                budget -= plan.shard_numel
         try:
             directory = RunDirectory(tier.path, f"{run_id}-params", self.comm.rank)
-            swapped = [(plan, spec) for plan, spec in zip(self.plan.units, specs) if not spec.persistent]
+            swapped = [(plan, spec) for plan, spec in zip(self.plan.units, specs)
+                       if not spec.persistent and id(plan) not in in_memory]
             directory.check_room(sum(plan.shard_numel * _itemsize(spec.params[0].dtype) for plan, spec in swapped),
                                  f"the parameter shards of {len(swapped)} units")
             slabs = SwappedSlabs([], directory, handle, name="param")
+            slabs.buffers.keep = self.store.param_buffers
         except (OSError, ValueError, RuntimeError) as exc:
             error = exc
         for plan, spec in zip(self.plan.units, specs):
@@ -146,7 +155,7 @@ class ShardedState:
             unit = FlatParamUnit(plan, list(spec.params), self.comm, persistent=stage < 3 or spec.persistent,
                                  shard_tier=self.store.params)
             units.append(unit)
-            if error is None and slabs is not None and not unit.persistent:
+            if error is None and slabs is not None and not unit.persistent and id(plan) not in in_memory:
                 try:
                     alias = unit.shard.view(-1)  # the same memory; ``unit.shard`` is re-pointed in and out
                     unit.shard_lease = SlabLease(slabs, slabs.add(alias, [unit.shard], check_room=False))
