@@ -199,3 +199,29 @@ def test_resident_slabs_reuse_a_few_page_aligned_buffers_and_free_the_callers_me
     with slabs.resident_during([4]):
         assert torch.equal(slabs.slabs[4][:-10], originals[4][:-10])
         assert torch.equal(slabs.slabs[4][-10:], torch.full((10,), 3.0))
+
+
+def test_a_lease_prefetch_starts_the_read_and_only_ready_waits_for_it(tmp_path: Path) -> None:
+    """``acquire(wait=False)`` issues the read and returns; the read is waited for by ``ready()`` (or by a
+    waiting holder, or before the last release), and a changed slab is written back once, at the end."""
+    from zerospeed.offload.nvme import SlabLease
+
+    io = ImmediateIO()
+    slabs = SwappedSlabs(_tensors([64]), RunDirectory(tmp_path, "run", 0), io)
+    lease = SlabLease(slabs, 0)
+    io.log.clear()
+    lease.acquire(wait=False)
+    assert io.log == [("read", "slab0.bin")]  # issued, not waited for
+    lease.acquire()  # a second holder that needs the values now
+    assert io.log[-1] == ("wait", "slab0.bin")
+    slabs.slabs[0].add_(1)
+    lease.release(changed=True)
+    assert slabs.resident[0]  # the prefetching holder still holds it
+    lease.release()
+    assert not slabs.resident[0] and [op for op, _ in io.log].count("write") == 1
+    io.log.clear()
+    lease.acquire(wait=False)
+    lease.release()  # never used: the read is still waited for before its buffer goes back, nothing written
+    assert [op for op, _ in io.log] == ["read", "wait"] and not slabs.resident[0]
+    with lease.held():
+        assert torch.equal(slabs.slabs[0], _tensors([64])[0] + 1)

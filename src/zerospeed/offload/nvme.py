@@ -238,6 +238,15 @@ class SwappedSlabs:
         requests = [(i, self._start_write(i)) for i in wanted]
         self._wait_writes(requests)
 
+    def start_read(self, i: int) -> Any:
+        """Begin making slab ``i`` resident (None when it already is); :meth:`finish_read` waits for it."""
+        return None if self.resident[i] else self._start_read(i)
+
+    def finish_read(self, i: int, request: Any) -> None:
+        """Wait for a :meth:`start_read` (releasing the slab again if the read failed)."""
+        if request is not None:
+            self._wait_reads([(i, request)])
+
     def _start_read(self, i: int) -> Any:
         self._allocate(i)
         self.resident[i] = True
@@ -410,11 +419,22 @@ class SlabLease:
         self.slabs, self.index = slabs, index
         self.holders = 0
         self.dirty = False
+        self._read: Any = None  # a read in flight (started by ``acquire(wait=False)``)
 
-    def acquire(self) -> None:
-        if self.holders == 0:
-            self.slabs.swap_in([self.index])
+    def acquire(self, wait: bool = True) -> None:
+        """Hold the slab; the first holder starts reading it. ``wait=False`` returns at once (a
+        prefetch: the read overlaps whatever comes next); :meth:`ready` waits for it."""
+        if self.holders == 0 and self._read is None:
+            self._read = self.slabs.start_read(self.index)
         self.holders += 1
+        if wait:
+            self.ready()
+
+    def ready(self) -> None:
+        """Wait until the slab is resident (its read, if one is in flight, has completed)."""
+        if self._read is not None:
+            request, self._read = self._read, None
+            self.slabs.finish_read(self.index, request)
 
     def release(self, changed: bool = False) -> None:
         if self.holders <= 0:
@@ -422,6 +442,7 @@ class SlabLease:
         self.dirty = self.dirty or changed
         self.holders -= 1
         if self.holders == 0:
+            self.ready()  # a read still in flight lands before its buffer is given back
             if self.dirty:
                 self.slabs.swap_out([self.index])
             else:

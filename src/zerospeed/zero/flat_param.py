@@ -80,6 +80,7 @@ class FlatParamUnit:
         self._staged: torch.Tensor | None = None  # the shard's copy on the compute device, while gathering
         self.shard_lease: Any = None  # offload_param nvme: the shard's file residency (a SlabLease)
         self._gather_holds_shard = False
+        self._gather_after_read = False  # NVMe: the shard's read is in flight, the all-gather not yet issued
         self._empty = torch.empty(0, dtype=self.dtype, device=device)
         for p, view in zip(params, self._views):
             p.data = view
@@ -121,17 +122,29 @@ class FlatParamUnit:
         for p, view in zip(self.params, self._views):
             p.data = view
         self._gathered = True
-        if self.shard_lease is not None:  # an NVMe-tier shard is read in for the all-gather
-            self.shard_lease.acquire()
+        if self.shard_lease is not None:
+            # an NVMe-tier shard is read in for the all-gather: a prefetch (async_op) only starts the
+            # read, and the all-gather follows in wait() (every rank waits for its units in the same
+            # order, so the collectives still line up)
+            self.shard_lease.acquire(wait=False)
             self._gather_holds_shard = True
+            self._gather_after_read = True
+        else:
+            self._launch_gather()
+        if not async_op:
+            self.wait()
+
+    def _launch_gather(self) -> None:
         source = self.shard
         if source.device != self.full.device:  # offloaded shard: to the device first (async from pinned)
             source = self._staged = source.to(self.full.device, non_blocking=True)
         self._pending = self.comm.all_gather(self.full, source, async_op=True)
-        if not async_op:
-            self.wait()
 
     def wait(self) -> None:
+        if self._gather_after_read:
+            self._gather_after_read = False
+            self.shard_lease.ready()
+            self._launch_gather()
         if self._pending is not None:
             handle, self._pending = self._pending, None
             handle.wait()

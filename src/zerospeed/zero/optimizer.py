@@ -238,11 +238,16 @@ class ZeroOptimizer:
         everything = [group["params"] for group in groups]
         order = range(len(self.units))
         stream = self.swapped.stream(order) if self.swapped is not None else iter(order)
+        prefetched: list[int] = []  # units whose NVMe-tier parameter shard is being read ahead
         try:
             # closed on the way out, so a failed step releases its unit at once (its file untouched)
             with contextlib.closing(stream) if self.swapped is not None else contextlib.nullcontext():
                 for u in stream:
                     unit, master = self.units[u], self.masters[u]
+                    following = self.units[u + 1].shard_lease if u + 1 < len(self.units) else None
+                    if following is not None:  # the next unit's shard is read while this one updates
+                        following.acquire(wait=False)
+                        prefetched.append(u + 1)
                     with unit.shard_resident(write_back=True):  # an NVMe-tier shard: in, updated, out
                         unit_copied = u in copied
                         if u not in done:
@@ -260,9 +265,14 @@ class ZeroOptimizer:
                         # a swapped master or shard is released after this: copy before moving on
                         publisher.publish(unit, master, copied=unit_copied,
                                           blocking=swapped or unit.shard_lease is not None)
+                    if prefetched and prefetched[0] == u:
+                        prefetched.pop(0)
+                        unit.shard_lease.release()  # the update above (if any) marked it to be written
         finally:
             for group, params in zip(groups, everything):
                 group["params"] = params
+            for v in prefetched:  # a failed step: let go of the reads ahead
+                self.units[v].shard_lease.release()
 
     def step_units(self, units: Sequence[int], grads: dict[int, torch.Tensor],
                    copy_out: dict[int, dict[int, torch.Tensor]] | None) -> None:
