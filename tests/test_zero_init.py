@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from torch import nn
@@ -198,3 +200,54 @@ def test_a_collective_only_some_ranks_enter_fails_within_the_timeout(stage: int,
     assert message.startswith(operation) and "did not complete within 3s" in message, message
     assert "ranks that did not arrive: [1]" in message, message
     assert time.monotonic() - start < 40
+
+
+def _init_on_nvme(root: str) -> dict:
+    """zero.Init with offload_param on NVMe: the partitions wait in swap files (nothing in memory), a
+    GatheredParameters edit reaches them, initialize takes them (deleting each file) and training equals
+    the same model built in memory."""
+    zerospeed.init_distributed()
+    rank = torch.distributed.get_rank()
+    cfg = _config(3)
+    cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": root, "max_in_cpu": 0}
+    out: dict = {}
+    torch.manual_seed(0)
+    with zerospeed.zero.Init(config=cfg) as init:
+        model = Net()
+    stash = init._stash
+    gc.collect()  # the head's own weight, replaced by the tied one: its file goes with it
+    partitions = [p._zerospeed_owner for p in model.parameters()]
+    out["swapped"] = all(part._lease is not None and part.shard.numel() == 0 for part in partitions)
+    out["files"] = len(list(stash.slabs.directory.path.glob("init*.bin")))
+    out["params"] = len(partitions)
+    with zerospeed.zero.GatheredParameters(model.blocks[0].fc.bias, modifier_rank=0):
+        if rank == 0:
+            with torch.no_grad():
+                model.blocks[0].fc.bias.fill_(0.125)
+    torch.manual_seed(0)
+    with zerospeed.zero.Init():
+        twin = Net()
+    with zerospeed.zero.GatheredParameters(twin.blocks[0].fc.bias, modifier_rank=0):
+        with torch.no_grad():
+            twin.blocks[0].fc.bias.fill_(0.125)
+    engine, *_ = zerospeed.initialize(model=model, config=cfg)
+    out["files_left"] = len(list(stash.slabs.directory.path.glob("init*.bin")))
+    reference, *_ = zerospeed.initialize(model=twin, config=_config(3))
+    out["losses"] = (_train(engine, 3), _train(reference, 3))
+    engine.destroy()
+    return out
+
+
+def test_init_partitions_wait_on_nvme_when_parameters_are_offloaded_there(tmp_path) -> None:
+    for rank, out in enumerate(run_distributed(_init_on_nvme, 2, str(tmp_path), timeout=200)):
+        assert out["swapped"] and out["files"] == out["params"] == 13, (rank, out)  # one file per parameter
+        assert out["files_left"] == 0, rank  # each partition's file went as initialize took it
+        nvme, memory = out["losses"]
+        torch.testing.assert_close(torch.tensor(nvme), torch.tensor(memory), rtol=1e-6, atol=1e-7)
+
+
+def test_init_remote_device_errors() -> None:
+    with pytest.raises(ValueError, match="remote_device='gpu'.*expected 'cpu' or 'nvme'"):
+        zerospeed.zero.Init(remote_device="gpu", enabled=False)
+    with pytest.raises(ValueError, match="needs the config's zero_optimization.offload_param"):
+        zerospeed.zero.Init(remote_device="nvme", config=_config(3), enabled=False)

@@ -387,6 +387,12 @@ class SwappedSlabs:
                 if self.resident[i] and i not in written:
                     self._release(i)
 
+    def forget(self, i: int) -> None:
+        """Slab ``i`` is no longer needed: release it and delete its file (its disk space is needed)."""
+        self._release(i)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.paths[i])
+
     def discard(self, i: int) -> None:
         """Release a resident slab without writing it (unchanged since it was read)."""
         if self.resident[i]:

@@ -4,8 +4,11 @@ Under :class:`Init`, every module's parameters are partitioned as soon as that m
 ``__init__`` returns: rank 0's values are broadcast (so every rank starts from the same weights
 whatever its seed), each rank keeps an even 1/N slice, and the full tensor is dropped. Peak memory
 is then about one module's parameters plus this rank's shards, so a model larger than one rank's
-memory can be built. :func:`zerospeed.initialize` later moves these partitions into its ZeRO-3
-units, one parameter at a time.
+memory can be built. With ``remote_device="nvme"`` (the default when the config puts
+``offload_param`` on NVMe) the slices themselves go to swap files under ``nvme_path`` as they are
+made, so not even they are all in memory: a model larger than all of memory can be built.
+:func:`zerospeed.initialize` later moves these partitions into its ZeRO-3 units, one parameter at a
+time, deleting each swap file as its partition is taken.
 
 :class:`GatheredParameters` gathers partitioned parameters (by ``zero.Init`` or by a ZeRO-3 engine)
 for a ``with`` block. With ``modifier_rank=r``, rank ``r``'s in-place edits are broadcast on exit and
@@ -15,6 +18,8 @@ become every rank's shards (and fp32 masters). Every rank must enter it with the
 from __future__ import annotations
 
 import contextlib
+import uuid
+import weakref
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -28,7 +33,7 @@ from zerospeed.zero.flat_param import OWNER
 class InitPartition:
     """One parameter partitioned by ``zero.Init``: this rank's even slice and the full shape."""
 
-    def __init__(self, param: nn.Parameter, comm: Comm):
+    def __init__(self, param: nn.Parameter, comm: Comm, stash: "NvmeStash | None" = None):
         self.param = param
         self.comm = comm
         self.shape = tuple(param.shape)
@@ -39,15 +44,25 @@ class InitPartition:
             flat[: self.numel].copy_(param.detach().reshape(-1))
         comm.broadcast(flat, src=0)
         self.shard = flat[comm.rank * self.width: (comm.rank + 1) * self.width].clone()
+        del flat
         self._empty = torch.empty(0, dtype=param.dtype, device=param.device)
         self._gathered: torch.Tensor | None = None
         param.data = self._empty
+        # remote_device nvme: the slice lives in a swap file (``shard`` is empty while it is out), deleted
+        # when the engine takes it or when the parameter is dropped (e.g. replaced by a tied weight)
+        self._lease = stash.put(self.shard) if stash is not None else None
+        self._drop_file = (weakref.finalize(self, self._lease.slabs.forget, self._lease.index)
+                           if self._lease is not None else None)
+
+    def _resident(self, write_back: bool = False) -> contextlib.AbstractContextManager[None]:
+        return self._lease.held(write_back) if self._lease is not None else contextlib.nullcontext()
 
     def gather(self) -> None:
         if self._gathered is not None:
             return
         full = torch.empty(self.width * self.comm.world_size, dtype=self.shard.dtype, device=self.shard.device)
-        self.comm.all_gather(full, self.shard)
+        with self._resident():
+            self.comm.all_gather(full, self.shard)
         self._gathered = full
         self.param.data = full[: self.numel].view(self.shape)
 
@@ -57,7 +72,8 @@ class InitPartition:
         if modifier_rank is not None:
             self.comm.broadcast(self._gathered, src=modifier_rank)
             lo = self.comm.rank * self.width
-            self.shard.copy_(self._gathered[lo: lo + self.width])
+            with self._resident(write_back=True):
+                self.shard.copy_(self._gathered[lo: lo + self.width])
         self._gathered = None
         self.param.data = self._empty
 
@@ -68,6 +84,9 @@ class InitPartition:
         values = self.param.data
         self._gathered = None
         self.shard = self._empty
+        if self._drop_file is not None:  # its disk space is needed for what the engine writes next
+            self._drop_file()
+            self._lease = None
         return values
 
     def tensors(self) -> list[torch.Tensor]:
@@ -85,19 +104,43 @@ def _all_module_classes() -> list[type]:
     return seen
 
 
+class NvmeStash:
+    """Swap files for ``zero.Init`` partitions (``remote_device="nvme"``), in a run directory of their own."""
+
+    def __init__(self, nvme_path: str, comm: Comm, aio: Any = None):
+        from zerospeed.offload.nvme import RunDirectory, SwappedSlabs
+        from zerospeed.ops.aio import AsyncIOHandle
+
+        run_id = comm.all_gather_object(uuid.uuid4().hex[:12])[0]
+        handle = AsyncIOHandle.from_config(aio) if aio is not None else AsyncIOHandle()
+        self.slabs = SwappedSlabs([], RunDirectory(nvme_path, f"{run_id}-init", comm.rank), handle, name="init")
+
+    def put(self, shard: torch.Tensor) -> Any:
+        """Write ``shard`` (a 1-D CPU tensor, emptied) to a file of its own; its lease reads it back."""
+        from zerospeed.offload.nvme import SlabLease
+
+        return SlabLease(self.slabs, self.slabs.add(shard.view(-1), [shard]))
+
+
 class Init(contextlib.ContextDecorator):
     """Partition each module's parameters as it is constructed (see the module docstring).
 
     ``config`` (a dict, path or :class:`~zerospeed.config.Config`) sets the parameter dtype from
     its fp16/bf16 sections unless ``dtype`` is given; ``enabled=False`` makes it a no-op.
+    ``remote_device``: where the partitions wait for :func:`zerospeed.initialize` — ``"cpu"``
+    (memory), or ``"nvme"`` (swap files under the config's ``offload_param.nvme_path``); default:
+    ``"nvme"`` when the config puts ``offload_param`` there, else memory.
     Needs an initialized process group (:func:`zerospeed.init_distributed`).
     """
 
     def __init__(self, module: nn.Module | None = None, *, config: Any = None, config_dict_or_path: Any = None,
                  enabled: bool = True, dtype: torch.dtype | None = None, comm: Comm | None = None,
-                 **ignored: Any):
+                 remote_device: str | None = None, **ignored: Any):
         self.enabled = enabled
-        self.dtype = dtype if dtype is not None else _dtype_from(config if config is not None else config_dict_or_path)
+        cfg = _load(config if config is not None else config_dict_or_path)
+        self.dtype = dtype if dtype is not None else _dtype_from(cfg)
+        self._nvme = _nvme_target(cfg, remote_device)  # (nvme_path, aio section) or None
+        self._stash: NvmeStash | None = None
         self._comm = comm
         self._patched: list[tuple[type, Any]] = []
         if module is not None and enabled:  # DeepSpeed's Init(module=...) partitions an existing model
@@ -148,7 +191,10 @@ class Init(contextlib.ContextDecorator):
                 continue
             if self.dtype is not None and param.is_floating_point() and param.dtype != self.dtype:
                 param.data = param.data.to(self.dtype)
-            setattr(param, OWNER, InitPartition(param, self.comm))
+            if self._nvme is not None and self._stash is None and param.device.type == "cpu":
+                self._stash = NvmeStash(self._nvme[0], self.comm, self._nvme[1])
+            stash = self._stash if param.device.type == "cpu" else None
+            setattr(param, OWNER, InitPartition(param, self.comm, stash))
 
 
 def _most_derived_init(module: nn.Module) -> type:
@@ -157,15 +203,39 @@ def _most_derived_init(module: nn.Module) -> type:
     return next(c for c in type(module).__mro__ if "__init__" in c.__dict__)
 
 
-def _dtype_from(config: Any) -> torch.dtype | None:
+def _load(config: Any) -> Any:
     if config is None:
         return None
     from zerospeed.config import Config, load_config
 
-    cfg = config if isinstance(config, Config) else load_config(config)
+    return config if isinstance(config, Config) else load_config(config)
+
+
+def _dtype_from(cfg: Any) -> torch.dtype | None:
+    if cfg is None:
+        return None
     from zerospeed.precision.policy import policy_from_config
 
     return policy_from_config(cfg).param_dtype
+
+
+def _nvme_target(cfg: Any, remote_device: str | None) -> tuple[str, Any] | None:
+    """``(nvme_path, aio section)`` when partitions go to NVMe, else None."""
+    from zerospeed.config.values import OffloadDevice
+
+    section = cfg.zero_optimization.offload_param if cfg is not None else None
+    on_nvme = section is not None and section.device == OffloadDevice.NVME
+    if remote_device is None:
+        remote_device = "nvme" if on_nvme else "cpu"
+    if remote_device not in ("cpu", "nvme"):
+        raise ValueError(f"zero.Init(remote_device={remote_device!r}): expected 'cpu' or 'nvme' (None: from the "
+                         f"config's offload_param.device)")
+    if remote_device == "cpu":
+        return None
+    if not on_nvme:
+        raise ValueError("zero.Init(remote_device='nvme') needs the config's zero_optimization.offload_param with "
+                         "device 'nvme' and an nvme_path; pass config=... with that section")
+    return str(section.nvme_path), cfg.aio
 
 
 @contextlib.contextmanager

@@ -137,8 +137,15 @@ class ShardedGrads:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
         if not self._where:
             raise ValueError("no trainable parameters: every parameter has requires_grad=False")
-        # Units without trainable parameters never get a gradient and are never reduced.
-        self.order = [u for u in reversed(range(len(self.units))) if self.units[u].n_trainable]
+        # Units without trainable parameters never get a gradient and are never reduced. Until the
+        # first backward shows the real order, units go out in reverse registration order, except that
+        # stage 3's persistent unit (small parameters of every layer) comes last: its gradients are
+        # complete only at the very end, and launching strictly in order would otherwise hold every
+        # other unit's gradient back until then (the whole model's gradients in memory at once).
+        backwards = [u for u in reversed(range(len(self.units))) if self.units[u].n_trainable]
+        mixed = len({unit.persistent for unit in units}) > 1
+        self.order = [u for u in backwards if not (mixed and units[u].persistent)] + \
+                     [u for u in backwards if mixed and units[u].persistent]
         self._observed: list[int] = []
         self._relaid = False
         self._next = 0
