@@ -320,3 +320,61 @@ def test_the_engine_applies_the_config_section() -> None:
     cpu, profile, refused = run_distributed(_engine_configures_checkpointing, 1)[0]
     assert cpu is True and profile is True
     assert "activation_checkpointing.partition_activations" in refused
+
+
+def _stage3_with_checkpointed_blocks() -> dict[str, Any]:
+    """ZeRO-3 with checkpointed blocks: a recomputed forward (inside backward, possibly stopped early by
+    PyTorch) must neither leave its units marked in use nor release them before their backward."""
+    import zerospeed
+    from zerospeed.zero.flat_param import FlatParamUnit
+
+    class Net(nn.Module):
+        def __init__(self, checkpointed: bool) -> None:
+            super().__init__()
+            self.checkpointed = checkpointed
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+                                        for _ in range(6))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = x + (checkpointing.checkpoint(block, x) if self.checkpointed else block(x))
+            return x.pow(2).mean()
+
+    config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 1}}
+    most = [0]
+    original = FlatParamUnit.gather
+
+    def gather(unit: FlatParamUnit, async_op: bool = False) -> None:
+        original(unit, async_op)
+        most[0] = max(most[0], sum(u.numel for u in engine.state.units if u.gathered and not u.persistent))
+
+    losses: dict[bool, list[float]] = {}
+    after_forward = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        engine, *_ = zerospeed.initialize(model=Net(checkpointed), config=config)
+        FlatParamUnit.gather = gather  # type: ignore[method-assign]
+        try:
+            losses[checkpointed] = []
+            for step in range(3):
+                loss = engine(torch.randn(2, 32, generator=torch.Generator().manual_seed(step)))
+                after_forward.append(sum(u.gathered for u in engine.state.units if not u.persistent))
+                engine.backward(loss)
+                engine.step()
+                losses[checkpointed].append(loss.item())
+        finally:
+            FlatParamUnit.gather = original  # type: ignore[method-assign]
+    unit_numel = max(u.numel for u in engine.state.units)
+    return {"losses": losses, "after_forward": after_forward, "most_units": most[0] / unit_numel}
+
+
+def test_stage3_releases_checkpointed_blocks_after_their_backward() -> None:
+    from zerospeed.testing import run_distributed
+
+    out = run_distributed(_stage3_with_checkpointed_blocks, 1)[0]
+    assert out["losses"][True] == out["losses"][False]
+    assert max(out["after_forward"]) <= 1, out["after_forward"]  # at most the last block, kept for its backward
+    assert out["most_units"] <= 3, out["most_units"]  # never more than a few of the 6 blocks at once

@@ -148,6 +148,7 @@ class ParamCoordinator:
     # -- hooks ------------------------------------------------------------------------------
     def _begin_forward(self, module: nn.Module, args: Any) -> None:
         self.release_all()  # a forward without backward may have left units gathered
+        self._active = [0] * len(self.units)  # ...or a module whose forward raised inside it
         self._cursor = -1
         self._last_event = [-1] * len(self.units)
         self._in_forward = True
@@ -164,6 +165,13 @@ class ParamCoordinator:
 
     def _pre_hook(self, unit_ids: list[int]) -> Callable[..., Any]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+            if _in_backward():
+                # activation checkpointing recomputes this forward inside backward, and may stop it
+                # early (its post-hook then never runs): the units stay gathered for the module's
+                # backward and are released after it (``_after_backward``), not by the recompute
+                for u in unit_ids:
+                    self._event(u)
+                return args, kwargs
             for u in unit_ids:
                 self._active[u] += 1
                 self._event(u)
@@ -175,6 +183,8 @@ class ParamCoordinator:
 
     def _post_hook(self, unit_ids: list[int]) -> Callable[..., Any]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if _in_backward():  # a recompute (see the pre-hook): released after the module's backward
+                return
             for u in unit_ids:
                 self._active[u] -= 1
             for u in unit_ids:
@@ -203,6 +213,12 @@ class ParamCoordinator:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward on this thread (a checkpointed forward being recomputed)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current is not None and current() != -1
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
