@@ -73,6 +73,7 @@ def _compare(root: str) -> list[dict[str, Any]]:
         own = swapped.state.zero_optimizer.swapped.directory.path
         files = sorted(str(p.relative_to(nvme_dir)) for p in own.glob("*.bin"))
         resident = swapped.state.zero_optimizer.swapped.slabs.resident
+        memory = swapped.memory_breakdown()
         ckpt = os.path.join(root, f"ckpt{stage}")
         swapped.save_checkpoint(ckpt, tag="t")
         loaded, *_ = zerospeed.initialize(model=_model(), config=_config(stage, None))
@@ -80,7 +81,8 @@ def _compare(root: str) -> list[dict[str, Any]]:
         out.append({"stage": stage, "losses": [losses_plain, losses_nvme], "optimizer": type(optimizer).__name__,
                     "state": [_full_state(plain), _full_state(swapped), _full_state(loaded)],
                     "files": [f for f in files if f"rank{rank}" in f], "resident": sum(resident),
-                    "moved": list(swapped.state.zero_optimizer.swapped.bytes_moved)})
+                    "moved": list(swapped.state.zero_optimizer.swapped.bytes_moved),
+                    "grad_bytes": memory["grads"], "state_bytes": memory["optimizer_states"]})
         swapped.destroy()
         out[-1]["left"] = [str(own)] if own.exists() else []
     return out
@@ -102,6 +104,9 @@ def test_nvme_optimizer_matches_in_memory(world: int, tmp_path: Path) -> None:
             # one file per unit in this rank's own directory; nothing resident between steps
             assert case["files"] and all(f"rank{rank}/unit" in f for f in case["files"]), (what, case["files"])
             assert case["resident"] == 0, what
+            assert case["state_bytes"] == 0, what  # masters and Adam states: only in the swap files
+            if case["stage"] > 1:  # stages 2-3: the gradient shards live in the slabs' gradient regions
+                assert case["grad_bytes"] == 0, (what, case["grad_bytes"])
             read, written = case["moved"]
             assert read > 0 and written > 0, what
             assert case["left"] == [], (what, case["left"])  # removed with the engine
