@@ -241,3 +241,17 @@ def test_a_swap_path_missing_on_one_rank_fails_every_rank(tmp_path: Path) -> Non
     ok_rank, bad_rank = run_distributed(_one_rank_has_no_path, 2, str(tmp_path), timeout=120)
     assert bad_rank.startswith("FileNotFoundError") and "does not exist" in bad_rank
     assert ok_rank.startswith("RuntimeError") and "failed on other ranks: rank 1: FileNotFoundError" in ok_rank
+
+
+def _no_optimizer(root: str) -> list[Any]:
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+           "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": root}}}
+    engine, optimizer, *_ = zerospeed.initialize(model=_model(), config=cfg)
+    out = engine(torch.randn(2, 12))
+    return [optimizer is None, tuple(out.shape), sorted(os.listdir(root))]
+
+
+def test_without_an_optimizer_nothing_goes_to_nvme(tmp_path: Path) -> None:
+    """An inference engine from a training config: no optimizer states, so no swap files (not an error)."""
+    no_optimizer, shape, files = run_distributed(_no_optimizer, 1, str(tmp_path), timeout=120)[0]
+    assert no_optimizer and shape == (2, 5) and files == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 from typing import Any, Callable, Iterable
 
@@ -88,7 +89,7 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     opt = _build_optimizer(optimizer, model_parameters, trainable, cfg, cpu_offload=offload)
     if offload:
         _warn_if_slow_on_cpu(opt)
-    state = _model_state(model, cfg, comm, policy)
+    state = _model_state(model, cfg, comm, policy, has_optimizer=opt is not None)
     if opt is not None:
         if state.stage > 0:
             check_supported(opt, cfg.zero_allow_untested_optimizer)
@@ -175,7 +176,7 @@ def _broadcast_from_rank0(model: nn.Module, comm: Comm) -> None:
                 comm.broadcast(tensor.data, src=0)
 
 
-def _model_state(model: nn.Module, cfg: Config, comm: Comm, policy: Any) -> Any:
+def _model_state(model: nn.Module, cfg: Config, comm: Comm, policy: Any, has_optimizer: bool = True) -> Any:
     """Stage 0 keeps everything on every rank; stages 1-3 shard (see zerospeed.zero)."""
     from zerospeed.engine import _replicated, reduction_policy
 
@@ -194,6 +195,10 @@ def _model_state(model: nn.Module, cfg: Config, comm: Comm, policy: Any) -> Any:
     zero = cfg.zero_optimization
     device = next(model.parameters()).device
     store = StateStore.from_config(zero, device, get_accelerator(), aio=cfg.aio)
+    if not has_optimizer and store.optimizer.name == "nvme":
+        # no optimizer (inference, evaluation): there are no states to swap, so nothing goes to NVMe
+        log.info("zero_optimization.offload_optimizer.device is nvme but there is no optimizer: nothing to offload")
+        store = dataclasses.replace(store, optimizer=store.compute, offload_ratio=1.0)
     overlap = StepOverlap.decide(offloaded=store.offloads_optimizer, swapped="nvme" in (store.optimizer.name, store.params.name),
                                  clipping=float(cfg.gradient_clipping),
                                  loss_scaled=policy.loss_scaling is not None, overflow_checked=policy.check_overflow,
