@@ -322,7 +322,7 @@ def test_the_engine_applies_the_config_section() -> None:
     assert "activation_checkpointing.partition_activations" in refused
 
 
-def _stage3_with_checkpointed_blocks() -> dict[str, Any]:
+def _stage3_with_checkpointed_blocks(reentrant: bool) -> dict[str, Any]:
     """ZeRO-3 with checkpointed blocks: a recomputed forward (inside backward, possibly stopped early by
     PyTorch) must neither leave its units marked in use nor release them before their backward."""
     import zerospeed
@@ -337,7 +337,12 @@ def _stage3_with_checkpointed_blocks() -> dict[str, Any]:
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             for block in self.blocks:
-                x = x + (checkpointing.checkpoint(block, x) if self.checkpointed else block(x))
+                if not self.checkpointed:
+                    x = x + block(x)
+                elif reentrant:  # PyTorch's reentrant form: the first forward runs without grad
+                    x = x + torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True)
+                else:
+                    x = x + checkpointing.checkpoint(block, x)
             return x.pow(2).mean()
 
     config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
@@ -360,7 +365,8 @@ def _stage3_with_checkpointed_blocks() -> dict[str, Any]:
         try:
             losses[checkpointed] = []
             for step in range(3):
-                loss = engine(torch.randn(2, 32, generator=torch.Generator().manual_seed(step)))
+                # an input that requires grad, as an embedding's output would (reentrant needs one)
+                loss = engine(torch.randn(2, 32, generator=torch.Generator().manual_seed(step)).requires_grad_())
                 after_forward.append(sum(u.gathered for u in engine.state.units if not u.persistent))
                 engine.backward(loss)
                 engine.step()
@@ -371,10 +377,11 @@ def _stage3_with_checkpointed_blocks() -> dict[str, Any]:
     return {"losses": losses, "after_forward": after_forward, "most_units": most[0] / unit_numel}
 
 
-def test_stage3_releases_checkpointed_blocks_after_their_backward() -> None:
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_stage3_releases_checkpointed_blocks_after_their_backward(reentrant: bool) -> None:
     from zerospeed.testing import run_distributed
 
-    out = run_distributed(_stage3_with_checkpointed_blocks, 1)[0]
+    out = run_distributed(_stage3_with_checkpointed_blocks, 1, reentrant)[0]
     assert out["losses"][True] == out["losses"][False]
     assert max(out["after_forward"]) <= 1, out["after_forward"]  # at most the last block, kept for its backward
     assert out["most_units"] <= 3, out["most_units"]  # never more than a few of the 6 blocks at once

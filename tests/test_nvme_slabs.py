@@ -225,3 +225,22 @@ def test_a_lease_prefetch_starts_the_read_and_only_ready_waits_for_it(tmp_path: 
     assert [op for op, _ in io.log] == ["read", "wait"] and not slabs.resident[0]
     with lease.held():
         assert torch.equal(slabs.slabs[0], _tensors([64])[0] + 1)
+
+
+def test_a_failed_read_leaves_the_slab_out_and_the_lease_usable(tmp_path: Path) -> None:
+    """A read that cannot even start (file gone) is not left marked resident over a reused buffer, the
+    lease does not count the failed holder, and the next acquire reads the slab for real."""
+    from zerospeed.offload.nvme import SlabLease
+
+    slabs = SwappedSlabs(_tensors([64, 64]), RunDirectory(tmp_path, "run", 0), ImmediateIO())
+    with slabs.resident_during([1]):
+        pass  # a pool buffer now holds slab 1's bytes, free for reuse
+    lease = SlabLease(slabs, 0)
+    gone = slabs.paths[0].with_suffix(".gone")
+    slabs.paths[0].rename(gone)
+    with pytest.raises(OSError):
+        lease.acquire()
+    assert lease.holders == 0 and not slabs.resident[0]
+    gone.rename(slabs.paths[0])
+    with lease.held():
+        assert torch.equal(slabs.slabs[0], _tensors([64, 64])[0])

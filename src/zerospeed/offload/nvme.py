@@ -7,7 +7,7 @@ tensors — stays the same Python object: while released its ``.data`` is an emp
 read is a shape error, not a read of freed memory), and it points into a buffer again once the slab
 is read back. A pass
 over many slabs is streamed: the next slabs are read while the current one is used, and used ones
-are written back, with at most ``lookahead + 1`` slabs resident (DeepSpeed's ``buffer_count`` and
+are written back, with at most ``lookahead + 2`` slabs resident (DeepSpeed's ``buffer_count`` and
 ``pipeline_read`` / ``pipeline_write``).
 
 Files live in ``<nvme_path>/zerospeed-<run id>/rank<r>/``: a run never sees another run's files,
@@ -148,6 +148,7 @@ class SwappedSlabs:
         self._empty: dict[torch.dtype, torch.Tensor] = {}
         self.bytes_read = 0
         self.bytes_written = 0
+        self.unsaved: set[int] = set()  # resident slabs whose write-back failed: their memory is the only copy
         self.read_wait = 0.0  # seconds the caller spent blocked waiting for reads / writes
         self.write_wait = 0.0
         directory.check_room(sum(s.numel() * s.element_size() for s in slabs), f"swapping {len(slabs)} {name}s")
@@ -210,6 +211,7 @@ class SwappedSlabs:
                 view.data = slab[offset: offset + _numel(shape)].view(shape)
 
     def _release(self, i: int) -> None:
+        self.unsaved.discard(i)
         dtype = self.dtypes[i]
         empty = self._empty.setdefault(dtype, torch.empty(0, dtype=dtype))
         for view, _, _ in self.views[i]:
@@ -250,12 +252,17 @@ class SwappedSlabs:
     def _start_read(self, i: int) -> Any:
         self._allocate(i)
         self.resident[i] = True
+        try:
+            request = self.aio.submit_pread(self.slabs[i], str(self.paths[i]), 0)
+        except BaseException:
+            self._release(i)  # never marked resident over a (reused) buffer it was not read into
+            raise
         self.bytes_read += self.nbytes[i]
-        return self.aio.submit_pread(self.slabs[i], str(self.paths[i]), 0)
+        return request
 
     def _start_write(self, i: int) -> Any:
         self.bytes_written += self.kept[i]
-        head = self.slabs[i][: self.kept[i] // _itemsize(self.dtypes[i])]
+        head = self.slabs[i][: self.kept[i] // itemsize(self.dtypes[i])]
         return self.aio.submit_pwrite(head, str(self.paths[i]), 0)
 
     # -- regions of a swapped-out slab ----------------------------------------------------------
@@ -320,7 +327,9 @@ class SwappedSlabs:
                 request.wait()
             except OSError as exc:
                 errors.append(exc)  # kept resident: the memory is the only good copy now
+                self.unsaved.add(i)
             else:
+                self.unsaved.discard(i)
                 self._release(i)
         self.write_wait += time.perf_counter() - start
         if errors:
@@ -384,7 +393,7 @@ class SwappedSlabs:
                 self._wait_writes(pending)
             written = {j for j, _ in pending}
             for i in order:
-                if self.resident[i] and i not in written:
+                if self.resident[i] and i not in written and i not in self.unsaved:
                     self._release(i)
 
     def forget(self, i: int) -> None:
@@ -405,7 +414,7 @@ class SwappedSlabs:
         self.buffers.clear()
 
 
-def _itemsize(dtype: torch.dtype) -> int:
+def itemsize(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
 
 
@@ -428,13 +437,19 @@ class SlabLease:
         self._read: Any = None  # a read in flight (started by ``acquire(wait=False)``)
 
     def acquire(self, wait: bool = True) -> None:
-        """Hold the slab; the first holder starts reading it. ``wait=False`` returns at once (a
-        prefetch: the read overlaps whatever comes next); :meth:`ready` waits for it."""
-        if self.holders == 0 and self._read is None:
+        """Hold the slab, starting its read unless it is resident or being read (also after an earlier
+        read failed). ``wait=False`` returns at once (a prefetch: the read overlaps whatever comes
+        next); :meth:`ready` waits for it. A failed read raises here (or in :meth:`ready`) and leaves
+        the slab swapped out, its file unchanged."""
+        if self._read is None:
             self._read = self.slabs.start_read(self.index)
         self.holders += 1
         if wait:
-            self.ready()
+            try:
+                self.ready()
+            except BaseException:
+                self.holders -= 1
+                raise
 
     def ready(self) -> None:
         """Wait until the slab is resident (its read, if one is in flight, has completed)."""

@@ -111,7 +111,11 @@ class StateStore:
         parts = [f"optimizer state: {self.optimizer.describe()}"]
         if self.offloads_optimizer and self.offload_ratio < 1.0:
             parts[0] += f" for {self.offload_ratio:.0%} of the elements, the rest on {self.compute.describe()}"
-        parts.append(f"parameter shards: {self.params.describe()}")
+        params = f"parameter shards: {self.params.describe()}"
+        if self.params.name == "nvme" and self.params_in_memory > 0:
+            params += (f", except the first that fit in {self.params_in_memory:,} elements, kept in CPU memory "
+                       f"(offload_param.max_in_cpu; 0 puts every shard on NVMe)")
+        parts.append(params)
         return "; ".join(parts)
 
 

@@ -143,7 +143,13 @@ class FlatParamUnit:
     def wait(self) -> None:
         if self._gather_after_read:
             self._gather_after_read = False
-            self.shard_lease.ready()
+            try:
+                self.shard_lease.ready()
+            except BaseException:  # the shard could not be read: nothing was gathered, let go of it all
+                self._gather_holds_shard = False
+                self.shard_lease.release()
+                self.release()  # frees ``full`` again
+                raise
             self._launch_gather()
         if self._pending is not None:
             handle, self._pending = self._pending, None

@@ -168,10 +168,14 @@ class ParamCoordinator:
             if _in_backward():
                 # activation checkpointing recomputes this forward inside backward, and may stop it
                 # early (its post-hook then never runs): the units stay gathered for the module's
-                # backward and are released after it (``_after_backward``), not by the recompute
+                # backward and are released after it (``_after_backward``: through the original
+                # forward's wrapped inputs, or — reentrant checkpointing, whose first forward ran
+                # without grad — through the recompute's, wrapped here), not by the recompute
                 for u in unit_ids:
                     self._event(u)
-                return args, kwargs
+                if not torch.is_grad_enabled():
+                    return args, kwargs
+                return _wrap_inputs(args, kwargs, lambda: self._after_backward(unit_ids))
             for u in unit_ids:
                 self._active[u] += 1
                 self._event(u)

@@ -19,7 +19,7 @@ from torch import nn
 
 from zerospeed.config.values import OffloadDevice
 from zerospeed.dist.comm import Comm
-from zerospeed.offload.nvme import RunDirectory, SlabLease, SwappedSlabs
+from zerospeed.offload.nvme import RunDirectory, SlabLease, SwappedSlabs, itemsize
 from zerospeed.offload.store import StateStore
 from zerospeed.sharding.plan import ShardPlan
 from zerospeed.sharding.slots import ParamInfo, Slot
@@ -143,7 +143,7 @@ class ShardedState:
             directory = RunDirectory(tier.path, f"{run_id}-params", self.comm.rank)
             swapped = [(plan, spec) for plan, spec in zip(self.plan.units, specs)
                        if not spec.persistent and id(plan) not in in_memory]
-            directory.check_room(sum(plan.shard_numel * _itemsize(spec.params[0].dtype) for plan, spec in swapped),
+            directory.check_room(sum(plan.shard_numel * itemsize(spec.params[0].dtype) for plan, spec in swapped),
                                  f"the parameter shards of {len(swapped)} units")
             slabs = SwappedSlabs([], directory, handle, name="param")
             slabs.buffers.keep = self.store.param_buffers
@@ -432,10 +432,6 @@ class ShardedState:
                     p.data = unit.param_slice(unit.full, i).clone()
                     if getattr(p, OWNER, None) is not None:
                         delattr(p, OWNER)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
 
 
 def offloads_optimizer(zero_cfg: Any) -> bool:
