@@ -25,7 +25,7 @@ import shutil
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -286,16 +286,10 @@ class SwappedSlabs:
 
     def wait_region_writes(self, requests: Sequence[Any]) -> None:
         """Wait for :meth:`write_region` requests (all of them, then raise the first error)."""
-        errors = []
-        start = time.perf_counter()
-        for request in requests:
-            try:
-                request.wait()
-            except OSError as exc:
-                errors.append(exc)
-        self.write_wait += time.perf_counter() - start
-        if errors:
-            raise errors[0]
+        seconds, error = _wait_each([(-1, request) for request in requests])
+        self.write_wait += seconds
+        if error is not None:
+            raise error
 
     def _check_region(self, i: int, values: torch.Tensor, offset: int) -> None:
         numel, dtype = self.numels[i], self.dtypes[i]
@@ -307,33 +301,22 @@ class SwappedSlabs:
                              f"slab (offset {offset}, {values.numel()} of {numel} elements)")
 
     def _wait_reads(self, requests: list[tuple[int, Any]]) -> None:
-        errors = []
-        start = time.perf_counter()
-        for i, request in requests:
-            try:
-                request.wait()
-            except OSError as exc:
-                errors.append(exc)
-                self._release(i)  # partly read: not to be used (the file still holds the values)
-        self.read_wait += time.perf_counter() - start
-        if errors:
-            raise errors[0]
+        # a slab partly read is not to be used (its file still holds the values)
+        seconds, error = _wait_each(requests, failed=self._release)
+        self.read_wait += seconds
+        if error is not None:
+            raise error
 
     def _wait_writes(self, requests: list[tuple[int, Any]]) -> None:
-        errors = []
-        start = time.perf_counter()
-        for i, request in requests:
-            try:
-                request.wait()
-            except OSError as exc:
-                errors.append(exc)  # kept resident: the memory is the only good copy now
-                self.unsaved.add(i)
-            else:
-                self.unsaved.discard(i)
-                self._release(i)
-        self.write_wait += time.perf_counter() - start
-        if errors:
-            raise errors[0]
+        # a slab whose write failed stays resident: its memory is the only good copy now
+        seconds, error = _wait_each(requests, failed=self.unsaved.add, done=self._saved)
+        self.write_wait += seconds
+        if error is not None:
+            raise error
+
+    def _saved(self, i: int) -> None:
+        self.unsaved.discard(i)
+        self._release(i)
 
     # -- passes -------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -412,6 +395,24 @@ class SwappedSlabs:
         for i in range(len(self.slabs)):
             self._release(i)
         self.buffers.clear()
+
+
+def _wait_each(requests: Iterable[tuple[int, Any]], failed: Callable[[int], None] = lambda i: None,
+               done: Callable[[int], None] = lambda i: None) -> tuple[float, OSError | None]:
+    """Wait for every ``(slab index, request)``, even after one failed, calling ``failed(i)`` or
+    ``done(i)`` for each; returns the seconds spent waiting and the first error (for the caller to
+    raise once it has counted the time)."""
+    first: OSError | None = None
+    start = time.perf_counter()
+    for i, request in requests:
+        try:
+            request.wait()
+        except OSError as exc:
+            first = first or exc
+            failed(i)
+        else:
+            done(i)
+    return time.perf_counter() - start, first
 
 
 def itemsize(dtype: torch.dtype) -> int:
