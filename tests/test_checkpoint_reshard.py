@@ -1,8 +1,10 @@
 """Resharding (issue 5): a checkpoint written at one world size and ZeRO stage loads at another.
 
 Saves at 4 ranks stage 3 load at 2 ranks stage 1 and at 1 rank stage 0; saves at 2 ranks stage 2
-load at 3 ranks stage 2; saves at 1 rank stage 0 load at 3 ranks stage 3. Every run trains on the
-same global batch of 12 rows (each rank its slice by rank), so gradient averaging makes the training
+load at 3 ranks stage 2; saves at 1 rank stage 0 load at 3 ranks stage 3; and pairs where the
+gradient accumulation changes with the world size (4 ranks x 3 micro-batches -> 1 x 12, 2 x 6 -> 3 x 4),
+which must resume at the start of a window of the new topology. Every run trains on the
+same global batch of 12 rows (each rank its slices by rank), so gradient averaging makes the training
 independent of the world size up to float rounding, and a plain single-process PyTorch loop (AdamW +
 WarmupLR + clipping on the full batch) is the reference for all of them: the steps after a load must
 match its steps 4-6 (losses and parameters ≤ 1e-5), and the Adam states right after the load must be
@@ -37,19 +39,26 @@ STATE_RTOL = 1e-4  # Adam moments: rounding differs with the reduction order onl
 # each tensor's largest value, since exp_avg_sq is tiny (~1e-6) and an absolute 1e-6 would accept anything
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
-# (name, world, stage, source or None): sources train 3 steps and save, targets load and train 3 more.
+# (name, world, stage, accumulation, source or None): sources train 3 steps and save, targets load and
+# train 3 more. Each step is one global batch: world x accumulation micro-batches of 12 / (world x acc) rows.
 RUNS = {
-    "save w4 s3": (4, 3, None),
-    "save w2 s2": (2, 2, None),
-    "save w1 s0": (1, 0, None),
-    "load w2 s1 from w4 s3": (2, 1, "save w4 s3"),
-    "load w1 s0 from w4 s3": (1, 0, "save w4 s3"),
-    "load w3 s2 from w2 s2": (3, 2, "save w2 s2"),
-    "load w3 s3 from w1 s0": (3, 3, "save w1 s0"),  # replicated fragments into stage-3 pieces
+    "save w4 s3": (4, 3, 1, None),
+    "save w2 s2": (2, 2, 1, None),
+    "save w1 s0": (1, 0, 1, None),
+    "save w4 s3 a3": (4, 3, 3, None),
+    "save w2 s2 a6": (2, 2, 6, None),
+    "load w2 s1 from w4 s3": (2, 1, 1, "save w4 s3"),
+    "load w1 s0 from w4 s3": (1, 0, 1, "save w4 s3"),
+    "load w3 s2 from w2 s2": (3, 2, 1, "save w2 s2"),
+    "load w3 s3 from w1 s0": (3, 3, 1, "save w1 s0"),  # replicated fragments into stage-3 pieces
+    "load w1 s0 a12 from w4 s3 a3": (1, 0, 12, "save w4 s3 a3"),  # saved at micro step 9: resumes at 36
+    "load w3 s1 a4 from w2 s2 a6": (3, 1, 4, "save w2 s2 a6"),  # saved at micro step 18: resumes at 12
 }
-SOURCES = [name for name, (_, _, source) in RUNS.items() if source is None]
-SPAWNS = {4: ["save w4 s3"], 1: ["save w1 s0", "load w1 s0 from w4 s3"], 2: ["save w2 s2", "load w2 s1 from w4 s3"],
-          3: ["load w3 s2 from w2 s2", "load w3 s3 from w1 s0"]}  # in this order: sources are saved before loads
+SOURCES = [name for name, (*_, source) in RUNS.items() if source is None]
+SPAWNS = {4: ["save w4 s3", "save w4 s3 a3"], 1: ["save w1 s0", "load w1 s0 from w4 s3", "load w1 s0 a12 from w4 s3 a3"],
+          2: ["save w2 s2", "save w2 s2 a6", "load w2 s1 from w4 s3"],
+          3: ["load w3 s2 from w2 s2", "load w3 s3 from w1 s0", "load w3 s1 a4 from w2 s2 a6"]}
+# (in this order: sources are saved before loads)
 
 
 class Net(nn.Module):
@@ -89,8 +98,9 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, (ids * 3 + 1) % VOCAB
 
 
-def _config(world: int, stage: int) -> dict:
-    return {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // world, "gradient_accumulation_steps": 1,
+def _config(world: int, stage: int, accumulation: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // (world * accumulation),
+            "gradient_accumulation_steps": accumulation,
             "gradient_clipping": 1.0, "steps_per_print": 10**9,
             "optimizer": {"type": "AdamW", "params": ADAMW},
             "scheduler": {"type": "WarmupLR", "params": WARMUP},
@@ -114,29 +124,33 @@ def _gathered(engine: Any) -> dict[str, Any]:
 
 
 def _run(name: str, root: str) -> dict[str, Any]:
-    world, stage, source = RUNS[name]
+    world, stage, accumulation, source = RUNS[name]
     rank = torch.distributed.get_rank()
     torch.manual_seed(0 if source is None else 77)  # a target starts from other weights: the load must set them
-    engine, *_ = zerospeed.initialize(model=Net(), config=_config(world, stage))
+    engine, *_ = zerospeed.initialize(model=Net(), config=_config(world, stage, accumulation))
     out: dict[str, Any] = {}
     first = 0
     if source is not None:
         out["path"], _ = engine.load_checkpoint(str(Path(root) / source))
         out["loaded"] = _gathered(engine)
-        out["loaded_counters"] = [engine.global_steps, engine.global_samples]
+        out["loaded_counters"] = [engine.global_steps, engine.global_samples, engine.micro_steps]
         out["loaded_lr"] = engine.get_lr()
         first = SAVE_AT
-    losses = []
-    micro = GLOBAL_BATCH // world
+    losses, applied = [], []
+    micro = GLOBAL_BATCH // (world * accumulation)
     for step in range(first, first + SAVE_AT):
         ids, targets = _batch(step)
-        rows = slice(rank * micro, (rank + 1) * micro)
-        loss = _loss(engine(ids[rows]), targets[rows])
-        engine.backward(loss)
-        engine.step()
-        mean = loss.detach().clone()
-        torch.distributed.all_reduce(mean)
-        losses.append(float(mean) / world)
+        window = torch.zeros(())
+        for m in range(accumulation):  # this rank's slices of the global batch, one per micro-batch
+            rows = slice((rank * accumulation + m) * micro, (rank * accumulation + m + 1) * micro)
+            loss = _loss(engine(ids[rows]), targets[rows])
+            engine.backward(loss)
+            engine.step()
+            applied.append(engine.was_step_applied())
+            window += loss.detach()
+        torch.distributed.all_reduce(window)
+        losses.append(float(window) / (world * accumulation))
+    out["applied"] = applied
     out["losses"] = losses
     out["end"] = _gathered(engine)
     out["tied"] = engine.module.head.weight is engine.module.emb.weight
@@ -237,16 +251,20 @@ def test_sources_match_the_reference_before_saving(runs: dict[str, Any]) -> None
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize("name", [n for n, (_, _, source) in RUNS.items() if source is not None])
+@pytest.mark.parametrize("name", [n for n, (*_, source) in RUNS.items() if source is not None])
 def test_resharded_load_continues_like_the_uninterrupted_run(runs: dict[str, Any], name: str) -> None:
     ref = runs["reference"]
-    source = RUNS[name][2]
+    source = RUNS[name][3]
     problems = []
     for rank, got in enumerate(runs["results"][name]):
         where = f"[{name}, rank {rank}]"
         assert got["path"] == runs["results"][source][0]["path"]
-        if got["loaded_counters"] != [SAVE_AT, SAVE_AT * GLOBAL_BATCH]:
-            problems.append(f"{where}: counters after load {got['loaded_counters']}")
+        accumulation = RUNS[name][2]
+        if got["loaded_counters"] != [SAVE_AT, SAVE_AT * GLOBAL_BATCH, SAVE_AT * accumulation]:
+            problems.append(f"{where}: counters (steps, samples, micro steps) after load {got['loaded_counters']} "
+                            f"!= {[SAVE_AT, SAVE_AT * GLOBAL_BATCH, SAVE_AT * accumulation]}")
+        if got["applied"] != ([False] * (accumulation - 1) + [True]) * SAVE_AT:  # a step at each window's end
+            problems.append(f"{where}: optimizer steps applied after micro-batches {got['applied']}")
         if not torch.allclose(torch.tensor(got["loaded_lr"]), torch.tensor(ref[f"after {SAVE_AT}"]["lr"]), atol=1e-12):
             problems.append(f"{where}: lr after load {got['loaded_lr']} != {ref[f'after {SAVE_AT}']['lr']}")
         # the weights and Adam states as saved, resharded to this topology
@@ -262,7 +280,7 @@ def test_resharded_load_continues_like_the_uninterrupted_run(runs: dict[str, Any
 def test_resharded_load_keeps_the_frozen_parameter(runs: dict[str, Any]) -> None:
     """The frozen parameter comes from the checkpoint (the targets were initialised with another seed)."""
     ref = runs["reference"][f"after {STEPS}"]["params"]["frozen"]
-    for name, (_, _, source) in RUNS.items():
+    for name, (*_, source) in RUNS.items():
         if source is not None:
             for got in runs["results"][name]:
                 assert torch.equal(torch.tensor(got["end"]["params"]["frozen"]), ref)

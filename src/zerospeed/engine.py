@@ -197,14 +197,20 @@ class Engine(nn.Module):
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[str | None, Any]:
+                        load_module_only: bool = False, custom_load_fn: Any = None, *,
+                        allow_unsafe_pickle: bool = False) -> tuple[str | None, Any]:
         """Load a checkpoint written at any world size and ZeRO stage; returns ``(path, client_state)``,
-        or ``(None, None)`` with a warning when ``load_dir`` holds none. ``tag=None`` loads ``latest``."""
+        or ``(None, None)`` with a warning when ``load_dir`` holds none. ``tag=None`` loads ``latest``.
+        Training resumes at the start of an accumulation window of this run's configuration. The
+        checkpoint's pickled files are read with ``torch.load(weights_only=True)``, so loading runs no
+        code from them; a ``client_state`` holding other objects than containers, numbers, strings and
+        tensors needs ``allow_unsafe_pickle=True`` (only for checkpoints you trust)."""
         from zerospeed.checkpoint.engine_io import load_checkpoint
 
         self.wait_for_checkpoint()
         return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
-                               load_lr_scheduler_states, load_module_only, custom_load_fn)
+                               load_lr_scheduler_states, load_module_only, custom_load_fn,
+                               allow_unsafe_pickle=allow_unsafe_pickle)
 
     def wait_for_checkpoint(self) -> str | None:
         """Block until an asynchronous save has committed; re-raises its error. Returns its directory."""

@@ -16,17 +16,16 @@ import datetime
 import json
 import logging
 import os
-import random
 import warnings
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
-import numpy as np
 import torch
 
 from zerospeed.checkpoint import layout
 from zerospeed.checkpoint.commit import BackgroundSave, RankSync, SaveJob, serialize
 from zerospeed.checkpoint.layout import BUFFER, CheckpointError
 from zerospeed.checkpoint.reader import CheckpointSet
+from zerospeed.checkpoint.small_state import load_small_state, rng_state, set_rng_state, warn_if_unsafe
 from zerospeed.checkpoint.state_io import (RankPayload, StreamedPayload, collect, describe_groups, keep_states_of,
                                            load_masters, load_param_groups, missing_params,
                                            restore_optimizer_states)
@@ -74,7 +73,8 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
                               f"global_step<N>, which the ranks agree on)")
     if engine.micro_steps % engine.gradient_accumulation_steps():
         warnings.warn(f"save_checkpoint in the middle of a gradient accumulation window (micro step "
-                      f"{engine.micro_steps}): the partly accumulated gradients are not saved", stacklevel=3)
+                      f"{engine.micro_steps}): the partly accumulated gradients are not saved, and a run "
+                      f"resumed from it starts a new window", stacklevel=3)
 
     tmp_dir = os.path.join(save_dir, f"{layout.TMP_PREFIX}{tag}-{engine.checkpoint_id[:8]}-{sync.prefix.rsplit('/', 1)[1]}")
     try:
@@ -114,12 +114,13 @@ def _prepare(engine: Any, sync: RankSync, save_dir: str, tmp_dir: str, tag: str,
                 payload = payload.snapshot()
         else:  # NVMe tier: one group of units resident at a time, written from there (see _stream_parts)
             payload = StreamedPayload(_stream_parts(engine, groups, frozen, buffers))
-        rank_state = serialize({"rng": _rng_state(), "loader": _loader_state(engine)})
+        rank_state = serialize({"rng": rng_state(), "loader": _loader_state(engine)})
         engine_state = manifest = None
         if comm.rank == 0:
             scheduler = engine.lr_scheduler
             engine_state = serialize({"lr_scheduler": scheduler.state_dict() if hasattr(scheduler, "state_dict")
                                       else None, "client_state": client_state or {}})
+            warn_if_unsafe(engine_state, "client_state (or the LR scheduler's state_dict)")
             manifest = _manifest(engine, tag, buffers)
             manifest["excluded_frozen_parameters"] = bool(exclude_frozen_parameters)
         job = SaveJob(sync, save_dir, tmp_dir, tag, payload, rank_state, engine_state, manifest, save_latest, lease)
@@ -171,7 +172,8 @@ def _manifest(engine: Any, tag: str, buffers: dict[str, torch.Tensor]) -> dict[s
         "world_size": engine.comm.world_size, "zero_stage": engine.state.stage,
         "micro_batch_size": engine.train_micro_batch_size_per_gpu(),
         "counters": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
-                     "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps},
+                     "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
+                     "gradient_accumulation_steps": engine.gradient_accumulation_steps()},
         "loss_scaler": {"class": type(engine.scaler).__name__, **engine.scaler.state_dict()},
         "params": [{"name": p.name, "shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch."),
                     "trainable": p.trainable} for p in engine.state.checkpoint_params()],
@@ -184,9 +186,17 @@ def _manifest(engine: Any, tag: str, buffers: dict[str, torch.Tensor]) -> dict[s
     }
 
 
+class SmallState(NamedTuple):
+    """A checkpoint's pickled files as this rank reads them (see :mod:`small_state`)."""
+
+    engine: dict[str, Any]  # engine_state.pt: LR scheduler and client_state
+    rank: dict[str, Any] | None  # this rank's RNG and data position; None across a topology change
+
+
 def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_strict: bool = True,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                    load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[str | None, Any]:
+                    load_module_only: bool = False, custom_load_fn: Any = None, *,
+                    allow_unsafe_pickle: bool = False) -> tuple[str | None, Any]:
     """Load (and reshard) a checkpoint; every rank calls it. See ``Engine.load_checkpoint``."""
     if custom_load_fn is not None:
         raise NotImplementedError("load_checkpoint(custom_load_fn=...): zerospeed checkpoints are read by "
@@ -209,40 +219,57 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
     with CheckpointSet(path) as ckpt:
         manifest = ckpt.manifest
         if groups is None:
-            engine_state = _load_all(engine, ckpt, load_module_strict, with_optimizer)
+            small = _load_all(engine, ckpt, load_module_strict, with_optimizer, allow_unsafe_pickle)
         else:
-            engine_state = _load_streamed(engine, ckpt, groups, load_module_strict, with_optimizer)
+            small = _load_streamed(engine, ckpt, groups, load_module_strict, with_optimizer, allow_unsafe_pickle)
     if load_module_only:
-        return path, engine_state.get("client_state")
+        return path, small.engine.get("client_state")
     _load_scaler(engine, manifest["loss_scaler"])
     counters = manifest["counters"]
     engine.global_steps = int(counters["global_steps"])
     engine.global_samples = int(counters["global_samples"])
-    engine.micro_steps = int(counters["micro_steps"])
+    engine.micro_steps = resumed_micro_steps(counters, manifest["config"], engine.gradient_accumulation_steps())
     engine.skipped_steps = int(counters["skipped_steps"])
-    scheduler_state = engine_state.get("lr_scheduler")
+    scheduler_state = small.engine.get("lr_scheduler")
     if load_lr_scheduler_states and scheduler_state is not None and hasattr(engine.lr_scheduler, "load_state_dict"):
         engine.lr_scheduler.load_state_dict(scheduler_state)
-    same_topology = int(manifest["world_size"]) == comm.world_size
-    rank_state = _load_torch(os.path.join(path, layout.rank_state(comm.rank))) if same_topology else None
-    if rank_state is not None:
-        _set_rng_state(rank_state["rng"])
-    _restore_loader(engine, manifest, rank_state)
-    return path, engine_state.get("client_state")
+    if small.rank is not None:
+        set_rng_state(small.rank["rng"])
+    _restore_loader(engine, manifest, small.rank)
+    return path, small.engine.get("client_state")
+
+
+def resumed_micro_steps(counters: dict[str, Any], saved_config: dict[str, Any], accumulation: int) -> int:
+    """The micro-step count to resume at: the start of the window after the saved run's last full one,
+    counted in this run's accumulation. A world-size change usually changes the accumulation (the same
+    global batch from fewer ranks), and restoring the count verbatim would put the first optimizer step
+    after the wrong number of micro-batches. A save in mid-window (warned about) resumes at a new window."""
+    saved_accumulation = int(counters.get("gradient_accumulation_steps")
+                             or saved_config.get("gradient_accumulation_steps") or 1)
+    return int(counters["micro_steps"]) // saved_accumulation * accumulation
+
+
+def _same_data_layout(engine: Any, manifest: dict[str, Any]) -> bool:
+    """Whether this rank's saved RNG states and data position apply as they are: the same ranks, each
+    reading the same micro-batches."""
+    return (int(manifest["world_size"]) == engine.comm.world_size
+            and int(manifest.get("micro_batch_size", -1)) == engine.train_micro_batch_size_per_gpu())
 
 
 # What a rank may fail with while reading its part of a checkpoint (agreed on before any collective).
 _LOAD_ERRORS = (CheckpointError, OSError, ValueError, KeyError, RuntimeError)
 
 
-def _load_all(engine: Any, ckpt: CheckpointSet, strict: bool, with_optimizer: bool) -> dict[str, Any]:
+def _load_all(engine: Any, ckpt: CheckpointSet, strict: bool, with_optimizer: bool,
+              allow_unsafe_pickle: bool) -> SmallState:
     """Everything in memory: read this rank's state, agree on the outcome, refresh (collective)."""
     error: BaseException | None = None
-    engine_state: dict[str, Any] = {}
+    small = SmallState({}, None)
     with engine.state.resident_state(write_back=True):
         try:  # each rank reads different ranges: agree on the outcome before the collective refresh
             slots = engine.state.checkpoint_slots(for_save=False)
-            engine_state = _load_common(engine, ckpt, [slot.param for slot in slots], strict, with_optimizer)
+            small = _load_common(engine, ckpt, [slot.param for slot in slots], strict, with_optimizer,
+                                 allow_unsafe_pickle)
             load_masters(slots, ckpt, strict=strict, optional=_optional(engine, ckpt))
             if _loads_optimizer(engine, ckpt, with_optimizer):
                 restore_optimizer_states(slots, engine.optimizer, ckpt)
@@ -250,19 +277,19 @@ def _load_all(engine: Any, ckpt: CheckpointSet, strict: bool, with_optimizer: bo
             error = exc
         engine.comm.fail_together(error, "load_checkpoint", error_type=CheckpointError)
         engine.state.after_checkpoint_load()
-    return engine_state
+    return small
 
 
 def _load_streamed(engine: Any, ckpt: CheckpointSet, groups: list[list[int]], strict: bool,
-                   with_optimizer: bool) -> dict[str, Any]:
+                   with_optimizer: bool, allow_unsafe_pickle: bool) -> SmallState:
     """NVMe tier: one group of units resident at a time, loaded, refreshed and written back before
     the next (the ranks agree on each group's outcome before its collective refresh)."""
     comm, state = engine.comm, engine.state
     error: BaseException | None = None
-    engine_state: dict[str, Any] = {}
+    small = SmallState({}, None)
     try:
         names = [p.name for p in state.checkpoint_params()]  # the slots' names need their units resident
-        engine_state = _load_common(engine, ckpt, names, strict, with_optimizer)
+        small = _load_common(engine, ckpt, names, strict, with_optimizer, allow_unsafe_pickle)
     except _LOAD_ERRORS as exc:
         error = exc
     comm.fail_together(error, "load_checkpoint", error_type=CheckpointError)
@@ -282,13 +309,13 @@ def _load_streamed(engine: Any, ckpt: CheckpointSet, groups: list[list[int]], st
             state.after_checkpoint_load(units=group)  # while the group's masters are resident
     if optimizer:
         keep_states_of(engine.optimizer, keys)
-    return engine_state
+    return small
 
 
-def _load_common(engine: Any, ckpt: CheckpointSet, names: list[str], strict: bool,
-                 with_optimizer: bool) -> dict[str, Any]:
-    """Check everything first (names, shapes, ``names``' values present, the optimizer's class), then
-    read all but masters and optimizer states: buffers, param groups; returns the engine state file."""
+def _load_common(engine: Any, ckpt: CheckpointSet, names: list[str], strict: bool, with_optimizer: bool,
+                 allow_unsafe_pickle: bool) -> SmallState:
+    """Check everything first (names, shapes, ``names``' values present, the optimizer's class, the
+    pickled files), then read all but masters and optimizer states: buffers, param groups."""
     manifest = ckpt.manifest
     _check_names(engine, ckpt, strict=strict)
     missing_params(names, ckpt, strict=strict)
@@ -297,15 +324,20 @@ def _load_common(engine: Any, ckpt: CheckpointSet, names: list[str], strict: boo
     if optimizer is not None and _state_family(saved_class) != _state_family(type(optimizer).__name__):
         raise CheckpointError(f"{ckpt.path} holds {saved_class} states but this engine's optimizer is "
                               f"{type(optimizer).__name__}; load with load_optimizer_states=False")
+    # before anything changes: a refused file leaves the engine as it was
+    rank_path = os.path.join(ckpt.path, layout.rank_state(engine.comm.rank))
+    small = SmallState(
+        load_small_state(os.path.join(ckpt.path, layout.ENGINE_STATE), allow_unsafe_pickle=allow_unsafe_pickle) or {},
+        load_small_state(rank_path, allow_unsafe_pickle=allow_unsafe_pickle)
+        if _same_data_layout(engine, manifest) else None)
     saved_buffers = {b["name"] for b in manifest.get("buffers", [])}
     with torch.no_grad():
         for name, buf in _persistent_buffers(engine.module).items():
             if name in saved_buffers:
                 ckpt.read_range(BUFFER, name, 0, buf.numel(), buf)
-    engine_state = _load_torch(os.path.join(ckpt.path, layout.ENGINE_STATE)) or {}
     if optimizer is not None:
         load_param_groups(optimizer, ckpt)
-    return engine_state
+    return small
 
 
 def _loads_optimizer(engine: Any, ckpt: CheckpointSet, with_optimizer: bool) -> bool:
@@ -360,26 +392,6 @@ def _persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: buf for name, buf in module.named_buffers() if name in keys}
 
 
-def _rng_state() -> dict[str, Any]:
-    from zerospeed.accelerator import get_accelerator
-
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    accelerator = get_accelerator()
-    if accelerator.device_type != "cpu":
-        state["device"] = torch.get_device_module(accelerator.device_type).get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    from zerospeed.accelerator import get_accelerator
-
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "device" in state and get_accelerator().device_type != "cpu":
-        torch.get_device_module(get_accelerator().device_type).set_rng_state(state["device"])
-
-
 def _loader_state(engine: Any) -> dict[str, int] | None:
     loader = getattr(engine, "training_dataloader", None)
     return loader.state_dict() if loader is not None else None
@@ -411,8 +423,3 @@ def _load_scaler(engine: Any, saved: dict[str, Any]) -> None:
     engine.scaler.load_state_dict(saved)
     engine._publish_scale()
 
-
-def _load_torch(path: str) -> Any:
-    if not os.path.isfile(path):
-        return None
-    return torch.load(path, map_location="cpu", weights_only=False)
