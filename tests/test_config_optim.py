@@ -91,13 +91,26 @@ def test_known_optimizer_params_are_strict() -> None:
         ">= 0 and < 1",)
 
 
-def test_max_grad_norm_points_to_gradient_clipping() -> None:
-    assert problems({"optimizer": {"type": "Adam", "params": {"max_grad_norm": 1.0}}}) == (
-        "optimizer.params.max_grad_norm: unknown key; clip gradients with the top-level "
-        "gradient_clipping",)
-    # LAMB and the 1-bit optimizers take it as a constructor argument.
-    lamb = load({"optimizer": {"type": "Lamb", "params": {"max_grad_norm": 1.0}}})
-    assert lamb.optimizer is not None and lamb.optimizer.params["max_grad_norm"] == 1.0
+@pytest.mark.parametrize("kind", ["Adam", "Lamb", "SGD"])
+def test_max_grad_norm_is_the_old_spelling_of_gradient_clipping(kind: str) -> None:
+    """DeepSpeed's 2020 configs clip with optimizer.params.max_grad_norm: read as gradient_clipping."""
+    with pytest.warns(DeprecationWarning, match=r"optimizer\.params\.max_grad_norm is deprecated.*"
+                                                r'"gradient_clipping": 0\.5'):
+        cfg = load({"optimizer": {"type": kind, "params": {"lr": 0.1, "max_grad_norm": 0.5}}})
+    assert cfg.gradient_clipping == 0.5
+    assert cfg.optimizer is not None and dict(cfg.optimizer.params) == {"lr": 0.1}
+    with pytest.warns(DeprecationWarning):  # the same value in both places is fine
+        same = load({"gradient_clipping": 0.5, "optimizer": {"type": kind, "params": {"max_grad_norm": 0.5}}})
+    assert same.gradient_clipping == 0.5 and "max_grad_norm" not in same.optimizer.params
+
+
+def test_max_grad_norm_that_disagrees_or_is_not_a_norm_is_an_error() -> None:
+    assert problems({"gradient_clipping": 1.0, "optimizer": {"type": "Adam", "params": {"max_grad_norm": 2}}}) == (
+        "optimizer.params.max_grad_norm (2) and gradient_clipping (1.0) disagree; max_grad_norm is the old "
+        "spelling of gradient_clipping: remove it and keep the value you want in gradient_clipping",)
+    assert problems({"optimizer": {"type": "Lamb", "params": {"max_grad_norm": -1}}}) == (
+        "optimizer.params.max_grad_norm: -1 is not a norm; expected a number >= 0 (it is the old spelling "
+        "of the top-level gradient_clipping)",)
 
 
 def test_optimizer_params_are_immutable_and_only_what_was_given() -> None:

@@ -82,6 +82,28 @@ def _steps_per_print(value: Any) -> int | None:
 _ONEBIT = ("OneBitAdam", "ZeroOneAdam", "OneBitLamb")
 
 
+def _max_grad_norm_as_clipping(data: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``optimizer.params.max_grad_norm`` -> ``gradient_clipping``. DeepSpeed's configs of 2020 (its
+    GPT-2 and BERT examples) clip there, as apex's fused optimizers did, by the global gradient norm;
+    DeepSpeed 0.3 moved it to the top level and later releases refuse the old spelling."""
+    optimizer = data.get("optimizer")
+    params = optimizer.get("params") if isinstance(optimizer, Mapping) else None
+    if not isinstance(params, Mapping) or "max_grad_norm" not in params:
+        return data
+    value = params["max_grad_norm"]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        fail(f"optimizer.params.max_grad_norm: {show(value)} is not a norm; expected a number >= 0 "
+             f"(it is the old spelling of the top-level gradient_clipping)")
+    if "gradient_clipping" in data and data["gradient_clipping"] != value:
+        fail(f"optimizer.params.max_grad_norm ({show(value)}) and gradient_clipping "
+             f"({show(data['gradient_clipping'])}) disagree; max_grad_norm is the old spelling of "
+             f"gradient_clipping: remove it and keep the value you want in gradient_clipping")
+    warnings.warn(f"optimizer.params.max_grad_norm is deprecated (DeepSpeed's 2020 spelling); read as "
+                  f'"gradient_clipping": {show(value)}: move it to the top level', DeprecationWarning, stacklevel=5)
+    rest = {key: v for key, v in params.items() if key != "max_grad_norm"}
+    return {**data, "optimizer": {**optimizer, "params": rest}, "gradient_clipping": value}
+
+
 class Config(Section):
     """A parsed, frozen DeepSpeed-style configuration.
 
@@ -203,7 +225,7 @@ class Config(Section):
             data = {**data, "zero_optimization": {"stage": 1 if flag else 0}}
         if data is not None and not isinstance(data, Mapping):
             fail(f"{show(data)} is {json_kind(data)}; a config must be a JSON object")
-        return data
+        return _max_grad_norm_as_clipping(data) if data is not None else data
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:

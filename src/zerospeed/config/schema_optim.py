@@ -118,7 +118,7 @@ _ADAM = MappingProxyType({
 _ONEBIT_COMMON = MappingProxyType({
     "lr": Param(_nonneg), "bias_correction": Param(check_bool), "betas": Param(_betas),
     "eps": Param(_nonneg), "eps_inside_sqrt": Param(check_bool), "weight_decay": Param(_nonneg),
-    "max_grad_norm": Param(_nonneg), "amsgrad": Param(check_bool),
+    "amsgrad": Param(check_bool),
     "cuda_aware": Param(check_bool), "comm_backend_name": Param(check_str),
 })
 _LAMB_COEFFS = MappingProxyType({"max_coeff": Param(_nonneg), "min_coeff": Param(_nonneg)})
@@ -130,7 +130,7 @@ DEEPSPEED_OPTIMIZERS: Mapping[str, tuple[str, Mapping[str, Param]]] = MappingPro
     "lamb": ("Lamb", {
         "lr": Param(_nonneg), "bias_correction": Param(check_bool), "betas": Param(_betas),
         "eps": Param(_nonneg), "eps_inside_sqrt": Param(check_bool),
-        "weight_decay": Param(_nonneg), "max_grad_norm": Param(_nonneg), **_LAMB_COEFFS,
+        "weight_decay": Param(_nonneg), **_LAMB_COEFFS,
         "amsgrad": Param(check_bool)}),
     "onebitadam": ("OneBitAdam", {**_ONEBIT_COMMON, "freeze_step": Param(_count)}),
     "zerooneadam": ("ZeroOneAdam", {
@@ -227,10 +227,7 @@ def check_params(params: Mapping[str, Any], spec: Mapping[str, Param], *,
     out: dict[str, Any] = {}
     for key, value in params.items():
         if key not in spec:
-            message = unknown_key_message(key, tuple(spec))
-            if key == "max_grad_norm":
-                message = "unknown key; clip gradients with the top-level gradient_clipping"
-            problems.append((("params", key), message))
+            problems.append((("params", key), unknown_key_message(key, tuple(spec))))
             continue
         if isinstance(value, Auto):
             out[key] = AUTO

@@ -97,11 +97,7 @@ def build_optimizer(cfg_optimizer: Any, params: Params, cpu_offload: bool = Fals
         raise NotImplementedError(
             f"optimizer.type: {name!r} is a DeepSpeed optimizer zerospeed does not implement "
             f"yet; use one of {', '.join(OPTIMIZERS)} or a torch.optim class name")
-    kwargs = _kwargs(cfg_optimizer.params)
-    if "max_grad_norm" in kwargs:
-        raise ConfigError("optimizer.params.max_grad_norm: not supported as an optimizer "
-                          "parameter (DeepSpeed rejects it too); clip gradients with the "
-                          "top-level gradient_clipping")
+    kwargs = _kwargs(cfg_optimizer.params)  # (a config's max_grad_norm became gradient_clipping)
     build = OPTIMIZERS.get(name) or _torch_class(name)
     try:
         if cpu_offload and name in ("Adam", "AdamW"):
