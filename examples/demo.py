@@ -51,9 +51,12 @@ def cached_corpus(max_bytes: int) -> bytes:
     return corpus
 
 
-def load_demo_config(path: str, steps: int) -> dict:
-    """The JSON config, with a decaying schedule stretched to the requested number of steps."""
+def load_demo_config(path: str, steps: int, zero_stage: int | None = None) -> dict:
+    """The JSON config, with a decaying schedule stretched to the requested number of steps (and the
+    ZeRO stage replaced when one is asked for, to compare stages on the same run)."""
     config = json.loads(Path(path).read_text())
+    if zero_stage is not None:
+        config.setdefault("zero_optimization", {})["stage"] = zero_stage
     params = (config.get("scheduler") or {}).get("params", {})
     if "total_num_steps" in params:
         params["total_num_steps"] = steps
@@ -114,6 +117,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--deepspeed_config", default=str(HERE / "demo_config.json"))
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    parser.add_argument("--zero_stage", type=int, choices=(0, 1, 2, 3), default=None,
+                        help="ZeRO stage instead of the config's (e.g. to compare step times across stages)")
     parser.add_argument("--seq_len", type=int, default=64)
     parser.add_argument("--corpus_bytes", type=int, default=2_000_000)
     parser.add_argument("--val_windows", type=int, default=64)
@@ -129,8 +134,8 @@ def main() -> None:
     train_tokens, val_tokens = split(cached_corpus(args.corpus_bytes))
     train_data, val_data = TokenWindows(train_tokens, args.seq_len), TokenWindows(val_tokens, args.seq_len)
     model = GPT(GPTConfig(seq_len=args.seq_len))
-    engine, _, loader, _ = zerospeed.initialize(model=model, config=load_demo_config(args.deepspeed_config, args.steps),
-                                                training_data=train_data)
+    config = load_demo_config(args.deepspeed_config, args.steps, args.zero_stage)
+    engine, _, loader, _ = zerospeed.initialize(model=model, config=config, training_data=train_data)
     comm, cfg, show = engine.comm, engine.config, engine.comm.rank == 0
     if show:
         print(f"zerospeed {zerospeed.__version__}: {comm.world_size} ranks, {cfg.precision.value}, "

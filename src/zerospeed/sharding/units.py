@@ -5,11 +5,14 @@ layers — become one unit each; every other parameter joins a unit named after 
 that holds it (``embed``, ``final_norm``...), or ``<root>`` for the model's own parameters. Pass
 ``unit_classes`` to choose the block classes yourself (like FSDP's wrap policy). A parameter shared
 by several modules (tied weights) belongs to the first unit that reaches it.
+
+Where a unit is only what one collective moves (ZeRO stages 1-2), :func:`coalesce` joins small
+neighbouring units, so a model of many small blocks does not pay one collective's latency per block.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import torch
 
@@ -46,3 +49,26 @@ def module_units(model: nn.Module, unit_classes: Sequence[type] | None = None,
             owner = name.split(".", 1)[0] if "." in name else ROOT
         units.setdefault(owner, []).append((name, shape_of(param)))
     return list(units.items())
+
+
+def coalesce(sizes: Sequence[int], kinds: Sequence[Hashable], *, min_elems: int, max_elems: int) -> list[list[int]]:
+    """Group consecutive items (indices, in order) so that an item smaller than ``min_elems`` shares a
+    group with its neighbours, as long as the group stays within ``max_elems`` and holds one kind only.
+
+    An item joins the open group when either is still smaller than ``min_elems``; items of ``min_elems``
+    or more stay alone unless a small one is next to them. ``kinds`` keep apart what must not share one
+    collective (different dtypes; trainable and frozen units, so frozen bytes are never reduced).
+    """
+    if len(sizes) != len(kinds):
+        raise ValueError(f"{len(sizes)} sizes for {len(kinds)} kinds")
+    groups: list[list[int]] = []
+    filled = 0
+    for i, size in enumerate(sizes):
+        if groups and kinds[groups[-1][-1]] == kinds[i] and min(filled, size) < min_elems \
+                and filled + size <= max_elems:
+            groups[-1].append(i)
+            filled += size
+        else:
+            groups.append([i])
+            filled = size
+    return groups

@@ -8,6 +8,11 @@ parameter boundaries so no bucket exceeds it. Under stage 3, parameters smaller 
 ``stage3_param_persistence_threshold`` elements are *persistent*: they stay whole on every rank
 (gathering them would cost more latency than the memory saved) and go into one unit of their own.
 
+Under stages 1-2 a unit is only what one reduce-scatter and one all-gather move (no module gathers
+it), so neighbouring units smaller than :data:`MIN_UNIT_ELEMS` are joined, up to
+``reduce_bucket_size``: a small model's blocks then cost a few collectives per step instead of one
+each. Stage 3 keeps the module tree's units, which are what its modules gather and release.
+
 Modules that use a parameter of another unit (a tied LM head reusing the embedding's weight, or a
 parameter registered with :func:`register_external_parameter`) gather that unit too.
 """
@@ -20,11 +25,14 @@ import math
 
 from torch import nn
 
-from zerospeed.sharding.units import ROOT, module_units, repeated_block_classes
+from zerospeed.sharding.units import ROOT, coalesce, module_units, repeated_block_classes
 from zerospeed.zero.flat_param import shape_of
 from zerospeed.zero.grads import plan_buckets
 
 PERSISTENT = "<persistent>"
+# Below this many elements (4 MB in fp32) a collective costs about its fixed latency, whatever its size
+# (gloo on 2 CPU ranks: ~1 ms, the time to move ~1 MB; more when the ranks compete for cores).
+MIN_UNIT_ELEMS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -48,9 +56,11 @@ class UnitSpec:
         return sum(math.prod(shape_of(p)) for p in self.params)
 
 
-def build_units(model: nn.Module, *, bucket_elems: int, persistence_threshold: int = 0,
+def build_units(model: nn.Module, *, bucket_elems: int, persistence_threshold: int = 0, min_unit_elems: int = 0,
                 unit_classes: tuple[type, ...] | None = None) -> list[UnitSpec]:
-    """Units of ``model`` in registration order (persistent parameters last, in one unit)."""
+    """Units of ``model`` in registration order (persistent parameters last, in one unit); units
+    smaller than ``min_unit_elems`` are joined with their neighbours up to ``bucket_elems`` (stages
+    1-2: no module gathers them, so a joined unit is gathered by none)."""
     by_name = dict(model.named_parameters())
     modules = dict(model.named_modules())
     classes = tuple(unit_classes) if unit_classes is not None else repeated_block_classes(model)
@@ -69,10 +79,28 @@ def build_units(model: nn.Module, *, bucket_elems: int, persistence_threshold: i
             chosen = tuple(names[i] for i in group)
             label = unit_name if len(groups) == 1 else f"{unit_name}[{part}]"
             units.append(UnitSpec(label, chosen, tuple(by_name[n] for n in chosen), module_path))
+    if min_unit_elems > 0:
+        units = _coalesce(units, min_unit_elems, bucket_elems)
     if persistent:
         units.append(UnitSpec(PERSISTENT, tuple(persistent), tuple(by_name[n] for n in persistent), None,
                               persistent=True))
     return units
+
+
+def _coalesce(units: list[UnitSpec], min_elems: int, max_elems: int) -> list[UnitSpec]:
+    """``units`` with small neighbours joined (see :func:`zerospeed.sharding.units.coalesce`): one
+    dtype per unit, and trainable units apart from frozen ones (whose gradients are never reduced)."""
+    kinds = [(u.params[0].dtype, u.params[0].device, any(p.requires_grad for p in u.params)) for u in units]
+    out = []
+    for group in coalesce([u.numel for u in units], kinds, min_elems=min_elems, max_elems=max_elems):
+        joined = [units[i] for i in group]
+        if len(joined) == 1:
+            out.append(joined[0])
+            continue
+        name = f"{joined[0].name}..{joined[-1].name}"
+        out.append(UnitSpec(name, sum((u.param_names for u in joined), ()), sum((u.params for u in joined), ()),
+                            module_path=None))
+    return out
 
 
 def module_users(model: nn.Module, units: list[UnitSpec],

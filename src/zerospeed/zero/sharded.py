@@ -25,7 +25,7 @@ from zerospeed.sharding.plan import ShardPlan
 from zerospeed.sharding.slots import ParamInfo, Slot
 from zerospeed.zero.flat_param import OWNER, FlatParamUnit, shape_of
 from zerospeed.zero.grads import ReductionPolicy
-from zerospeed.zero.layout import UnitSpec, build_units, module_users
+from zerospeed.zero.layout import MIN_UNIT_ELEMS, UnitSpec, build_units, module_users
 from zerospeed.zero.memory import storage_bytes
 from zerospeed.ops.cpu_optimizer import CPUOptimizer
 from zerospeed.zero.eager import EagerSteps, StepOverlap
@@ -56,9 +56,12 @@ class ShardedState:
         self.stage = stage
         self.module = model
         self.comm = comm
+        bucket = max(int(zero_cfg.reduce_bucket_size), 1)
         threshold = int(zero_cfg.param_persistence_threshold) if stage == 3 else 0
-        specs = build_units(model, bucket_elems=max(int(zero_cfg.reduce_bucket_size), 1),
-                            persistence_threshold=threshold)
+        # stages 1-2: a unit is one reduce-scatter and one all-gather, so small ones are joined (stage
+        # 3 gathers each unit around the module that owns it: the module tree's units stay)
+        min_unit = min(MIN_UNIT_ELEMS, bucket) if stage < 3 else 0
+        specs = build_units(model, bucket_elems=bucket, persistence_threshold=threshold, min_unit_elems=min_unit)
         self.specs = specs
         self.plan = ShardPlan.build([(s.name, [(n, shape_of(p)) for n, p in zip(s.param_names, s.params)])
                                      for s in specs], comm.world_size)
