@@ -14,6 +14,8 @@ DATA = pathlib.Path(__file__).parent / "data"
 
 #: Each example with the data-parallel world size it is written for.
 WORLD_SIZES = {
+    "ds_2020_bing_bert_lamb.json": 2,  # DeepSpeed's own examples of 2020, verbatim (tests/test_seed_configs.py)
+    "ds_2020_megatron_gpt2.json": 2,
     "ds_activation_checkpointing.json": 16,
     "ds_bert_lamb_fp16.json": 64,
     "ds_bf16_warmup_decay.json": 8,
@@ -75,6 +77,28 @@ def test_bert_lamb_fp16() -> None:
     assert cfg.sparse_attention is not None
     assert cfg.sparse_attention.passthrough["mode"] == "fixed"
     assert cfg.precision == DType.FP16
+
+
+def test_2020_megatron_gpt2() -> None:
+    """DeepSpeedExamples' Megatron-LM/scripts/ds_config.json: ZeRO as a boolean, max_grad_norm in Adam."""
+    with pytest.warns(DeprecationWarning) as seen:
+        cfg = load_config(DATA / "ds_2020_megatron_gpt2.json", world_size=2)
+    assert {str(w.message).split(" ")[0] for w in seen} >= {'"zero_optimization":', "optimizer.params.max_grad_norm"}
+    assert batch(cfg) == (16, 8, 1) and cfg.zero_stage == 1
+    assert cfg.gradient_clipping == 1.0
+    assert cfg.optimizer is not None and dict(cfg.optimizer.params) == {"lr": 0.00015}
+    assert (cfg.fp16.loss_scale_window, cfg.fp16.hysteresis, cfg.fp16.min_loss_scale) == (1000, 2, 1.0)
+
+
+def test_2020_bing_bert_lamb() -> None:
+    """DeepSpeedExamples' bing_bert/deepspeed_bsz16K_lamb_config.json: max_grad_norm in Lamb's params."""
+    with pytest.warns(DeprecationWarning, match="max_grad_norm"):
+        cfg = load_config(DATA / "ds_2020_bing_bert_lamb.json", world_size=2)
+    assert batch(cfg) == (16384, 16, 512)
+    assert cfg.gradient_clipping == 1.0 and cfg.prescale_gradients and cfg.wall_clock_breakdown
+    assert cfg.optimizer is not None and dict(cfg.optimizer.params) == {
+        "lr": 4e-3, "weight_decay": 0.01, "bias_correction": False, "max_coeff": 0.5, "min_coeff": 0.08}
+    assert cfg.fp16.enabled is True and cfg.fp16.dynamic_loss_scale
 
 
 def test_gpt2_zero2() -> None:

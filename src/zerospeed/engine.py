@@ -23,6 +23,7 @@ from torch import nn
 
 from zerospeed.config import Config
 from zerospeed.dist.comm import Comm
+from zerospeed.profiling.timers import NoTimers, PhaseTimers
 from zerospeed.zero.grads import ReductionPolicy
 from zerospeed.zero.replicated import ReplicatedState
 from zerospeed.zero.step_grads import StepGrads
@@ -39,8 +40,11 @@ class Engine(nn.Module):
     """
 
     def __init__(self, module: nn.Module, cfg: Config, comm: Comm, policy: Any,
-                 optimizer: torch.optim.Optimizer | None, lr_scheduler: Any = None, state: Any = None):
+                 optimizer: torch.optim.Optimizer | None, lr_scheduler: Any = None, state: Any = None, *,
+                 timers: PhaseTimers | None = None):
         super().__init__()
+        # wall_clock_breakdown: phases timed (and synchronized) only when the config asks
+        self.timers: PhaseTimers = timers if timers is not None else NoTimers()
         self.module = module
         self.config = cfg
         self.comm = comm
@@ -89,7 +93,8 @@ class Engine(nn.Module):
     # -- forward / backward ----------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = self.policy.cast_forward_args(args, kwargs)
-        return self.module(*args, **kwargs)
+        with self.timers.phase("forward"):
+            return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Average ``loss`` over the accumulation window, scale it, and backpropagate."""
@@ -101,10 +106,11 @@ class Engine(nn.Module):
             raise RuntimeError(f"engine.no_sync() is not supported with ZeRO stage {self.state.stage}: gradients "
                                f"are reduce-scattered into shards every micro-batch, so there is no local "
                                f"accumulation to skip (as in DeepSpeed); drop no_sync() or use stage 0 or 1")
-        self.state.begin_backward(self.is_gradient_accumulation_boundary() and not self._in_no_sync)
-        scaled = self.scaler.scale_loss(loss.float() / self.gradient_accumulation_steps())
-        scaled.backward(retain_graph=retain_graph)
-        self.state.end_backward()
+        with self.timers.phase("backward"):
+            self.state.begin_backward(self.is_gradient_accumulation_boundary() and not self._in_no_sync)
+            scaled = self.scaler.scale_loss(loss.float() / self.gradient_accumulation_steps())
+            scaled.backward(retain_graph=retain_graph)
+            self.state.end_backward()
         return loss
 
     @contextlib.contextmanager
@@ -119,6 +125,13 @@ class Engine(nn.Module):
     # -- step -----------------------------------------------------------------------------
     def step(self) -> None:
         """Call after every micro-batch; updates the weights at the end of each accumulation window."""
+        with self.timers.phase("step"):
+            applied = self._step()
+        if applied:
+            self._report()
+
+    def _step(self) -> bool:
+        """The step itself; True when the weights were updated."""
         if self._in_no_sync:
             raise RuntimeError("engine.step() inside no_sync() (as in DeepSpeed, this is not allowed): run "
                                "backward inside no_sync() and call engine.step() outside it")
@@ -129,7 +142,7 @@ class Engine(nn.Module):
         self.micro_steps += 1
         self._step_applied = False
         if not boundary:
-            return
+            return False
         grads = self.state.step_grads()
         if not isinstance(grads, StepGrads):
             grads = StepGrads.in_memory(grads)
@@ -145,7 +158,7 @@ class Engine(nn.Module):
             self.skipped_steps += 1
             self._count_step()
             self._finish_window()
-            return
+            return False
         self._global_grad_norm = norm
         clip = float(self.config.gradient_clipping)
         factor = clip / (self._global_grad_norm + 1e-6) if clip > 0 else 1.0
@@ -157,7 +170,7 @@ class Engine(nn.Module):
             self.lr_scheduler.step()
         self._count_step()
         self._finish_window()
-        self._report()
+        return True
 
     def _count_step(self) -> None:
         self.global_steps += 1
@@ -296,8 +309,13 @@ class Engine(nn.Module):
 
     def _report(self) -> None:
         every = self.config.steps_per_print
-        if not every or self.global_steps % every or self.comm.rank != 0:
+        if not every or self.global_steps % every:
             return
+        breakdown = self.timers.report(every)  # on every rank: each starts its next interval
+        if self.comm.rank != 0:
+            return
+        if breakdown is not None:
+            log.info("step %d  %s", self.global_steps, breakdown)
         now = time.perf_counter()
         rate = every * self.train_batch_size() / max(now - self._tick, 1e-9)
         self._tick = now

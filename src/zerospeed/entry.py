@@ -17,6 +17,7 @@ from zerospeed.dist.comm import Comm
 from zerospeed.dist.env import DEFAULT_TIMEOUT, init_distributed, process_group_timeout
 from zerospeed.dist.mesh import ParallelDims
 from zerospeed.engine import Engine
+from zerospeed.profiling.timers import NoTimers, PhaseTimers, WallClockTimers
 from zerospeed.zero.external import external_parameters
 from zerospeed.zero.flat_param import OWNER
 from zerospeed.zero.init import InitPartition
@@ -36,6 +37,7 @@ IMPLEMENTED = frozenset({
     "zero_optimization.offload_optimizer.pipeline_write", "zero_optimization.offload_optimizer.fast_init",
     "activation_checkpointing.cpu_checkpointing", "activation_checkpointing.contiguous_memory_optimization",
     "activation_checkpointing.synchronize_checkpoint_boundary", "activation_checkpointing.profile",
+    "wall_clock_breakdown",
 })
 
 
@@ -100,7 +102,7 @@ def initialize(args: Any = None, model: nn.Module | None = None,
         loader = DistributedLoader(training_data, micro_batch_size=int(cfg.train_micro_batch_size_per_gpu),
                                    rank=comm.rank, world_size=comm.world_size, collate_fn=collate_fn,
                                    drop_last=cfg.dataloader_drop_last)
-    engine = Engine(model, cfg, comm, policy, opt, sched, state=state)
+    engine = Engine(model, cfg, comm, policy, opt, sched, state=state, timers=_timers(cfg))
     engine.training_dataloader = loader
     _ensure_log_handler()
     if comm.rank == 0:
@@ -108,6 +110,13 @@ def initialize(args: Any = None, model: nn.Module | None = None,
         if offload or state.stage == 3 and cfg.zero_optimization.offload_param.enabled:
             log.info("offload: %s", state.describe_offload())
     return engine, opt, loader, sched
+
+
+def _timers(cfg: Config) -> PhaseTimers:
+    """``wall_clock_breakdown``: timed phases (device-synchronized) or none."""
+    if not cfg.wall_clock_breakdown:
+        return NoTimers()
+    return WallClockTimers(synchronize=get_accelerator().synchronize)
 
 
 def _configure_activation_checkpointing(cfg: Config) -> None:
