@@ -1,50 +1,60 @@
-"""Sequential write and read GB/s of zerospeed's AsyncIOHandle against a raw O_DIRECT baseline.
+"""Tensor write and cold-read GB/s: zerospeed's AsyncIOHandle against fio and DeepSpeed's aio handle.
 
-Method: for each block size (256 KiB, 1 MiB, 8 MiB) x queue depth (4, 8, 32), a fresh file gets a
-1 GiB tensor written through ``AsyncIOHandle.async_pwrite`` + ``wait()`` + ``fsync`` (timed together),
-then its page cache is dropped (``/proc/sys/vm/drop_caches`` when writable, and always
-``posix_fadvise(POSIX_FADV_DONTNEED)`` on the file) and it is read back with ``async_pread`` +
-``wait()`` (timed) and checked bit-exact. The buffer is page-aligned (``new_cpu_locked_tensor``,
-zero-copy O_DIRECT); one extra row uses a plain ``torch.empty`` tensor (not page-aligned, so its
-O_DIRECT pieces bounce through per-thread scratch buffers) and one forces buffered I/O. The baseline
-moves the same bytes in the same run with one thread, 8 MiB aligned O_DIRECT ``pwrite``/``preadv``
-chunks; every row prints GB/s and its ratio to that baseline (target >= 0.9). ``fio`` runs too when
-installed, and DeepSpeed's ``AsyncIOBuilder().load().aio_handle`` with ``--deepspeed`` when
-``/tmp/dsvenv/bin/python`` exists (in a subprocess; compiling the op takes minutes the first time).
+Method: 1 GiB per transfer, for two kinds of tensor:
+
+* ``ordinary``: ``torch.randn`` written, read back into a ``torch.empty`` tensor (PyTorch puts large
+  tensors 64 bytes past a page boundary, so O_DIRECT has to bounce their bytes through aligned memory);
+* ``aligned``: tensors from ``new_cpu_locked_tensor`` (page-aligned: O_DIRECT straight into them).
+
+Each round runs, in a rotating order, fio (libaio, 1 MiB blocks, iodepth 8, O_DIRECT: what this
+disk can do), DeepSpeed 0.19.8's ``aio_handle`` (1 MiB blocks, queue depth 8, in a long-lived
+``/tmp/dsvenv/bin/python`` subprocess; its op compiles for minutes on first use) and ours with the
+same settings. A write is timed up to its ``fsync``; the page cache is dropped before every read
+(``/proc/sys/vm/drop_caches`` when writable, and ``posix_fadvise(DONTNEED)`` on the file), and every
+read is checked bit-exact afterwards. The disk and CPUs of this machine are shared and noisy, so the
+table gives the median over rounds, and each ratio is the median of the per-round ratios (ours
+against fio and DeepSpeed of the same round). Destination tensors are allocated and touched once
+before timing: a first touch of fresh memory costs page faults here (seconds per GiB on this VM),
+which are not I/O.
 
 Command:
-    .venv/bin/python benchmarks/bench_aio.py [--quick] [--dir DIR] [--deepspeed]
-``--quick`` moves 256 MiB per file with fewer configurations; ``--dir`` picks where files go (default:
-a temporary directory under the current directory, removed at the end).
+    .venv/bin/python benchmarks/bench_aio.py [--rounds 5] [--mib 1024] [--dir DIR] [--no-deepspeed]
+        [--block-size 1048576] [--queue-depth 8]
+``--dir`` picks where files go (default: a temporary directory under the current directory).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Protocol
 
 import torch
 
-from bench_checkpoint import _drop_cache as evict_file_pages  # fsync + fadvise(DONTNEED), same script dir
-from zerospeed.checkpoint.layout import fsync_dir
 from zerospeed.ops.aio import AsyncIOHandle
 
 MIB = 1 << 20
 DS_PYTHON = "/tmp/dsvenv/bin/python"
+KINDS = ("ordinary", "aligned")
+OPS = ("write", "read")
 
 
 def drop_cache(path: Path) -> None:
     """Evict ``path`` from the page cache so reads hit the disk (all caches too, when allowed)."""
-    evict_file_pages(str(path))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
     try:
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("1\n")
@@ -52,180 +62,214 @@ def drop_cache(path: Path) -> None:
         pass  # not root: the per-file fadvise above is what evicts this file
 
 
-def timed(fn: Callable[[], None]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def fsync_path(path: Path) -> None:
-    fsync_dir(str(path))  # opens read-only and fsyncs: works for a file as for a directory
-
-
-def raw_baseline(path: Path, view: memoryview, chunk: int = 8 * MIB) -> tuple[float, float]:
-    """Single-thread O_DIRECT sequential write (+fsync) and cold read of the page-aligned ``view``; GB/s pair."""
-    nbytes = len(view)
-    path.unlink(missing_ok=True)
-
-    def write() -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
-        for off in range(0, nbytes, chunk):
-            os.pwrite(fd, view[off:off + chunk], off)
+def fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
         os.fsync(fd)
+    finally:
         os.close(fd)
 
-    def read() -> None:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-        for off in range(0, nbytes, chunk):
-            os.preadv(fd, [view[off:off + chunk]], off)
-        os.close(fd)
 
-    w = timed(write)
-    drop_cache(path)
-    r = timed(read)
-    path.unlink()
-    return nbytes / w / 1e9, nbytes / r / 1e9
+class System(Protocol):
+    """One way of moving a tensor: seconds for a write (to fsync) or a cold read of one kind of tensor."""
+
+    name: str
+
+    def run(self, op: str, kind: str, path: Path) -> float: ...
 
 
-def handle_run(path: Path, src: torch.Tensor, dst: torch.Tensor, h: AsyncIOHandle) -> tuple[float, float]:
-    """Write ``src`` then cold-read into ``dst`` through ``h``; checks the round trip; returns GB/s pair."""
-    path.unlink(missing_ok=True)
-    nbytes = src.numel() * src.element_size()
+class Fio:
+    """fio's own sequential job (the disk's figure); the tensor kind does not apply."""
 
-    def write() -> None:
-        h.async_pwrite(src, str(path), 0)
-        h.wait()
-        fsync_path(path)
+    name = "fio"
 
-    def read() -> None:
-        h.async_pread(dst, str(path), 0)
-        h.wait()
+    def __init__(self, nbytes: int, block: int, depth: int):
+        self.nbytes, self.block, self.depth = nbytes, block, depth
 
-    w = timed(write)
-    drop_cache(path)
-    r = timed(read)
-    if not torch.equal(src, dst):
-        raise SystemExit(f"round trip through {h} is not bit-exact")
-    path.unlink()
-    return nbytes / w / 1e9, nbytes / r / 1e9
+    def run(self, op: str, kind: str, path: Path) -> float:
+        out = subprocess.run(["fio", "--name=seq", f"--rw={op}", f"--bs={self.block}", f"--iodepth={self.depth}",
+                              "--ioengine=libaio", "--direct=1", f"--size={self.nbytes}", f"--filename={path}",
+                              "--end_fsync=1", "--output-format=json"],
+                             check=True, capture_output=True, text=True).stdout
+        return self.nbytes / json.loads(out)["jobs"][0][op]["bw_bytes"]
 
 
-def fio_run(path: Path, nbytes: int) -> tuple[float, float] | None:
-    """fio sequential write then read, libaio, 1 MiB blocks, iodepth 8, O_DIRECT; None when fio is absent."""
-    if shutil.which("fio") is None:
-        return None
-    result = []
-    for rw in ("write", "read"):
-        if rw == "read":
-            drop_cache(path)
-        out = subprocess.run(["fio", "--name=seq", f"--rw={rw}", "--bs=1M", "--iodepth=8", "--ioengine=libaio",
-                              "--direct=1", f"--size={nbytes}", f"--filename={path}", "--end_fsync=1",
-                              "--output-format=json"], check=True, capture_output=True, text=True).stdout
-        job = json.loads(out)["jobs"][0][rw]
-        result.append(job["bw_bytes"] / 1e9)
-    path.unlink(missing_ok=True)
-    return result[0], result[1]
+class Ours:
+    """zerospeed's AsyncIOHandle in this process."""
+
+    name = "zerospeed"
+
+    def __init__(self, nbytes: int, block: int, depth: int):
+        self.handle = AsyncIOHandle(block_size=block, queue_depth=depth)
+        numel = nbytes // 4
+        src = torch.randn(numel)
+        aligned_src = self.handle.new_cpu_locked_tensor(numel, src)
+        aligned_src.copy_(src)
+        self.tensors = {"ordinary": (src, torch.zeros(numel)),
+                        "aligned": (aligned_src, self.handle.new_cpu_locked_tensor(numel, src).zero_())}
+
+    def addresses(self) -> str:
+        return ", ".join(f"{kind} at page offset {src.data_ptr() % 4096}/{dst.data_ptr() % 4096}"
+                         for kind, (src, dst) in self.tensors.items())
+
+    def run(self, op: str, kind: str, path: Path) -> float:
+        src, dst = self.tensors[kind]
+        start = time.perf_counter()
+        if op == "write":
+            self.handle.async_pwrite(src, path)
+            self.handle.wait()
+            fsync_file(str(path))
+        else:
+            self.handle.async_pread(dst, path)
+            self.handle.wait()
+        seconds = time.perf_counter() - start
+        if op == "read":
+            if not torch.equal(src, dst):
+                raise SystemExit(f"zerospeed: {kind} round trip is not bit-exact")
+            dst.zero_()
+        return seconds
 
 
-DS_SCRIPT = r"""
+DS_SERVER = r"""
 import json, os, sys, time, torch
 from deepspeed.ops.op_builder import AsyncIOBuilder
-path, nbytes, bs, qd = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-ops = AsyncIOBuilder().load(verbose=False)
-h = ops.aio_handle(bs, qd, False, True, 1)
-buf = h.new_cpu_locked_tensor(nbytes, torch.empty(0, dtype=torch.uint8))
-buf.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
-t = time.perf_counter(); h.async_pwrite(buf, path); h.wait()
-fd = os.open(path, os.O_RDONLY); os.fsync(fd); w = time.perf_counter() - t
-os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED); os.close(fd)
-t = time.perf_counter(); h.async_pread(buf, path); h.wait(); r = time.perf_counter() - t
-print(json.dumps([nbytes / w / 1e9, nbytes / r / 1e9]))
+nbytes, block, depth = (int(a) for a in sys.argv[1:4])
+h = AsyncIOBuilder().load(verbose=False).aio_handle(block, depth, False, True, 1)
+numel = nbytes // 4
+src = torch.randn(numel)
+aligned_src = h.new_cpu_locked_tensor(numel, src)
+aligned_src.copy_(src)
+tensors = {"ordinary": (src, torch.zeros(numel)),
+           "aligned": (aligned_src, h.new_cpu_locked_tensor(numel, src).zero_())}
+print("@@", json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    cmd = json.loads(line)
+    src, dst = tensors[cmd["kind"]]
+    t = time.perf_counter()
+    if cmd["op"] == "write":
+        h.async_pwrite(src, cmd["path"]); h.wait()
+        fd = os.open(cmd["path"], os.O_RDONLY); os.fsync(fd); os.close(fd)
+    else:
+        h.async_pread(dst, cmd["path"]); h.wait()
+    seconds = time.perf_counter() - t
+    ok = cmd["op"] == "write" or bool(torch.equal(src, dst))
+    if cmd["op"] == "read":
+        dst.zero_()
+    print("@@", json.dumps({"seconds": seconds, "ok": ok}), flush=True)
 """
 
 
-def deepspeed_run(path: Path, nbytes: int, block: int, depth: int) -> tuple[float, float] | str:
-    """DeepSpeed's aio_handle in its own interpreter; a reason string when it cannot run."""
-    if not os.path.exists(DS_PYTHON):
-        return f"{DS_PYTHON} not found"
-    path.unlink(missing_ok=True)
-    proc = subprocess.run([DS_PYTHON, "-c", DS_SCRIPT, str(path), str(nbytes), str(block), str(depth)],
-                          capture_output=True, text=True)
-    path.unlink(missing_ok=True)
-    if proc.returncode != 0:
-        tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
-        return f"failed: {tail}"
-    w, r = json.loads(proc.stdout.strip().splitlines()[-1])
-    return w, r
+class DeepSpeed:
+    """DeepSpeed's aio_handle in a long-lived interpreter of its own venv (loaded and allocated once)."""
+
+    name = "DeepSpeed"
+
+    def __init__(self, nbytes: int, block: int, depth: int):
+        self.proc = subprocess.Popen([DS_PYTHON, "-c", DS_SERVER, str(nbytes), str(block), str(depth)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._reply()
+
+    def _reply(self) -> dict:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        while line and not line.startswith("@@ "):  # DeepSpeed's own log lines
+            line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"DeepSpeed's aio_handle did not start or died (exit code {self.proc.wait()}); "
+                             f"run {DS_PYTHON} -c 'from deepspeed.ops.op_builder import AsyncIOBuilder; "
+                             f"AsyncIOBuilder().load()' to see why, or pass --no-deepspeed")
+        return json.loads(line[3:])
+
+    def run(self, op: str, kind: str, path: Path) -> float:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": op, "kind": kind, "path": str(path)}) + "\n")
+        self.proc.stdin.flush()
+        reply = self._reply()
+        if not reply["ok"]:
+            raise SystemExit(f"DeepSpeed: {kind} round trip is not bit-exact")
+        return reply["seconds"]
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait()
 
 
-def row(name: str, wr: tuple[float, float], base: tuple[float, float]) -> None:
-    w, r = wr
-    print(f"{name:<40} write {w:5.2f} GB/s ({w / base[0]:4.2f}x)  read {r:5.2f} GB/s ({r / base[1]:4.2f}x)"
-          f"   [raw {base[0]:.2f} / {base[1]:.2f}]", flush=True)
+def one_round(systems: list[System], index: int, workdir: Path, nbytes: int) -> dict[tuple[str, str, str], float]:
+    """Every system writes then cold-reads each kind once; GB/s by (system, kind, op). The order of
+    the systems rotates from round to round so none is always first after the disk's idle time."""
+    shift = index % len(systems)
+    result = {}
+    for system in systems[shift:] + systems[:shift]:
+        for kind in (KINDS[:1] if isinstance(system, Fio) else KINDS):
+            path = workdir / f"{system.name}-{kind}.bin"
+            path.unlink(missing_ok=True)
+            for op in OPS:
+                if op == "read":
+                    drop_cache(path)
+                result[system.name, kind, op] = nbytes / system.run(op, kind, path) / 1e9
+            path.unlink()
+    return result
 
 
-def paired(name: str, path: Path, raw: memoryview, repeat: int, run: Callable[[], tuple[float, float]]) -> None:
-    """Alternate the raw baseline and ``run`` ``repeat`` times (a shared, noisy machine drifts between
-    rows); print the best of each and their ratio."""
-    best, base = (0.0, 0.0), (0.0, 0.0)
-    for _ in range(repeat):
-        b = raw_baseline(path, raw)
-        base = (max(base[0], b[0]), max(base[1], b[1]))
-        m = run()
-        best = (max(best[0], m[0]), max(best[1], m[1]))
-    row(name, best, base)
+def report(rounds: list[dict[tuple[str, str, str], float]], names: list[str]) -> None:
+    """Median GB/s per row and the median per-round ratio of ours to fio and to DeepSpeed."""
+    def gbps(name: str, kind: str, op: str) -> list[float]:
+        return [r[name, "ordinary" if name == "fio" else kind, op] for r in rounds]
+
+    print(f"\nmedian of {len(rounds)} rounds, GB/s (ratio: median of per-round ratios)")
+    print(f"{'tensor':<9} {'op':<6} {'fio':>6} " + "".join(f"{n:>10}" for n in names if n != "fio")
+          + "   zerospeed/fio  zerospeed/DeepSpeed")
+    for kind in KINDS:
+        for op in OPS:
+            ours = gbps("zerospeed", kind, op)
+            cells = "".join(f"{statistics.median(gbps(n, kind, op)):10.2f}" for n in names if n != "fio")
+            line = f"{kind:<9} {op:<6} {statistics.median(gbps('fio', kind, op)):6.2f} {cells}"
+            for other in ("fio", "DeepSpeed"):
+                if other in names:
+                    ratio = statistics.median(o / b for o, b in zip(ours, gbps(other, kind, op), strict=True))
+                    line += f"   {ratio:13.2f}" if other == "fio" else f"  {ratio:19.2f}"
+            print(line, flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="256 MiB per file, fewer configurations")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of every system and tensor kind (median shown)")
+    ap.add_argument("--mib", type=int, default=1024, help="MiB per transfer")
     ap.add_argument("--dir", type=Path, default=None, help="directory for the test files (default: temp dir here)")
-    ap.add_argument("--repeat", type=int, default=1, help="baseline/handle pairs per row (best is shown)")
-    ap.add_argument("--deepspeed", action="store_true", help=f"also time DeepSpeed's aio_handle via {DS_PYTHON}")
+    ap.add_argument("--no-deepspeed", action="store_true", help=f"skip DeepSpeed's aio_handle ({DS_PYTHON})")
+    ap.add_argument("--block-size", type=int, default=MIB, help="block size of both handles and fio")
+    ap.add_argument("--queue-depth", type=int, default=8, help="queue depth of both handles and fio's iodepth")
     args = ap.parse_args()
-    nbytes = (256 if args.quick else 1024) * MIB
-    blocks = [1 * MIB, 8 * MIB] if args.quick else [256 * 1024, 1 * MIB, 8 * MIB]
-    depths = [8] if args.quick else [4, 8, 32]
+    nbytes = args.mib * MIB
+    if shutil.which("fio") is None:
+        raise SystemExit("fio is not installed (apt-get install fio); it is the disk's reference figure")
     if args.dir is not None:
         args.dir.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="bench_aio_", dir=args.dir or Path.cwd()))
+    settings = (nbytes, args.block_size, args.queue_depth)
+    ours = Ours(*settings)
+    systems: list[System] = [Fio(*settings), ours]
+    if not args.no_deepspeed:
+        if not os.path.exists(DS_PYTHON):
+            raise SystemExit(f"{DS_PYTHON} not found; build DeepSpeed's venv there or pass --no-deepspeed")
+        systems.append(DeepSpeed(*settings))
+    names = [s.name for s in systems]
+    print(f"{args.mib} MiB per transfer in {workdir}; block {args.block_size}, queue depth {args.queue_depth}; "
+          f"{ours.handle!r}; tensors: {ours.addresses()}; load average {os.getloadavg()[0]:.1f}", flush=True)
+    rounds = []
     try:
-        path = workdir / "data.bin"
-        print(f"{nbytes / MIB:.0f} MiB per file in {workdir}; cache drop: "
-              f"{'drop_caches + ' if os.access('/proc/sys/vm/drop_caches', os.W_OK) else ''}fadvise", flush=True)
-        with AsyncIOHandle() as probe:
-            src = probe.new_cpu_locked_tensor(nbytes, torch.uint8)
-            dst = probe.new_cpu_locked_tensor(nbytes, torch.uint8)
-        block = torch.frombuffer(bytearray(os.urandom(MIB)), dtype=torch.uint8)
-        src.view(-1, MIB).copy_(block)  # random bytes (fast to make: one random MiB, repeated)
-        raw_map = mmap.mmap(-1, nbytes)  # page-aligned memory for the raw O_DIRECT baseline
-        raw = memoryview(raw_map)
-        raw[:] = memoryview(src.numpy())
-        for block in blocks:
-            for depth in depths:
-                with AsyncIOHandle(block_size=block, queue_depth=depth) as h:
-                    paired(f"aio bs={block // 1024}K qd={depth} ({h.num_workers} threads)", path, raw,
-                           args.repeat, lambda: handle_run(path, src, dst, h))
-        plain_src, plain_dst = src.clone(), torch.empty(nbytes, dtype=torch.uint8)
-        with AsyncIOHandle() as h:
-            paired("aio 1M qd8, unaligned tensor (bounce)", path, raw, args.repeat,
-                   lambda: handle_run(path, plain_src, plain_dst, h))
-        with AsyncIOHandle(use_direct_io=False) as h:
-            paired("aio 1M qd8, buffered (no O_DIRECT)", path, raw, args.repeat,
-                   lambda: handle_run(path, src, dst, h))
-        base = raw_baseline(path, raw)
-        fio = fio_run(path, nbytes)
-        if fio is None:
-            print("fio: not installed")
-        else:
-            row("fio libaio bs=1M iodepth=8", fio, base)
-        if args.deepspeed:
-            ds = deepspeed_run(path, nbytes, MIB, 8)
-            if isinstance(ds, str):
-                print(f"DeepSpeed aio_handle: {ds}")
-            else:
-                row("DeepSpeed aio_handle 1M qd8", ds, base)
+        for index in range(args.rounds):
+            rounds.append(one_round(systems, index, workdir, nbytes))
+            print(f"round {index + 1}: " + "  ".join(f"{n} {k[:3]} {op[0]} {v:.2f}" for (n, k, op), v
+                                                    in sorted(rounds[-1].items())), flush=True)
+        report(rounds, names)
+        print(f"load average at the end {os.getloadavg()[0]:.1f}")
     finally:
+        for system in systems:
+            if isinstance(system, DeepSpeed):
+                system.close()
+        ours.handle.close()
         shutil.rmtree(workdir, ignore_errors=True)
 
 
