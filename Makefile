@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.zerospeed-installed
 
-.PHONY: install demo test bench clean infinity
+.PHONY: install demo test test-fast bench clean infinity
 
 install: $(STAMP)
 
@@ -21,6 +21,10 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# The inner loop (under 2 minutes): every test that starts no process (see tests/conftest.py).
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not spawns"
 
 # ZeRO-Infinity: a ~2.5B-parameter GPT whose training state is > 1.5 x RAM, on NVMe (~45 GB of swap files
 # under the temp dir, about 10 minutes); see examples/infinity/README.md.
