@@ -22,7 +22,7 @@ demo: install
 test: install
 	$(BIN)/python -m pytest -q
 
-# The inner loop (under 2 minutes): every test that starts no process (see tests/conftest.py).
+# The inner loop (about 20 s): every test in a module that starts no process (see tests/conftest.py).
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not spawns"
 

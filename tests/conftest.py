@@ -1,8 +1,8 @@
 """Test selection: ``make test-fast`` runs what needs no extra process (``-m "not spawns"``).
 
-A test module that starts processes (the gloo harness ``run_distributed``, the launcher, a benchmark
-or example script through ``subprocess``) has all its tests marked ``spawns``; such tests are most of
-the suite's time.
+A test module whose source names a way to start processes (the gloo harness ``run_distributed``,
+``subprocess`` for the launcher, a benchmark or an example script; imported at the top or inside a
+test) has all its tests marked ``spawns``; such tests are most of the suite's time.
 """
 
 from __future__ import annotations
@@ -18,7 +18,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    spawning: dict[str, bool] = {}  # by module file: its source names a way to start processes
     for item in items:
-        module = getattr(item, "module", None)
-        if module is not None and any(hasattr(module, name) for name in _SPAWNING_NAMES):
+        path = str(item.path)
+        if path not in spawning:
+            source = item.path.read_text(encoding="utf-8")
+            spawning[path] = any(name in source for name in _SPAWNING_NAMES)
+        if spawning[path]:
             item.add_marker(pytest.mark.spawns)
