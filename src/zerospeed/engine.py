@@ -1,4 +1,4 @@
-"""The training engine: forward, backward, step (ZeRO stage 0 for now).
+"""The training engine: forward, backward, step over a model state (ZeRO stage 0, or stages 1-3).
 
 It composes values chosen once at start: the precision policy (compute dtype, master weights,
 loss scaler), the gradient buckets that accumulate and average gradients during backward, the
