@@ -11,7 +11,6 @@ returning (and says so), and what it commits loads.
 from __future__ import annotations
 
 import json
-import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from safetensors import safe_open
 from torch import nn
 
 import zerospeed
-from zerospeed.testing import run_distributed
+from zerospeed.testing import log_messages, run_distributed
 from zerospeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
 BEFORE, AFTER = 2, 2  # steps before the save, steps after it
@@ -170,22 +169,12 @@ def _async_save(root: str) -> dict[str, Any]:
     os.makedirs(nvme, exist_ok=True)
     run, *_ = zerospeed.initialize(model=_model(), config=_config(nvme, "nvme"))
     _train(run, range(BEFORE))
-    messages: list[str] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger("zerospeed")
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
     watch = ResidencyWatch(run)
-    try:
+    with log_messages() as messages:
         returned = run.save_checkpoint(os.path.join(root, "ckpt"), tag="a", async_save=True)
         reads_at_return = watch.reads
         kind = type(run._pending_save).__name__
         path = run.wait_for_checkpoint()
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
     loaded, *_ = zerospeed.initialize(model=_model(), config=_config(nvme, "cpu"))
     loaded.load_checkpoint(os.path.join(root, "ckpt"))
     out = {"kind": kind, "returned": returned, "path": path, "reads_at_return": reads_at_return,

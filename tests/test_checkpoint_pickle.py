@@ -21,7 +21,7 @@ import zerospeed
 from zerospeed.checkpoint import layout
 from zerospeed.checkpoint.layout import CheckpointError
 from zerospeed.checkpoint.small_state import load_small_state, set_rng_state
-from zerospeed.testing import run_distributed
+from zerospeed.testing import log_messages, run_distributed
 
 PLAIN = {"epoch": 3, "name": "run-a", "ratio": 0.25, "flags": [True, None], "pair": (1, 2),
          "nested": {"ids": [1, 2, 3]}, "tensor": torch.arange(4.0)}
@@ -113,18 +113,8 @@ def _round_trips(root: str) -> dict[str, Any]:
     saver = _engine(0)
     _train(saver, 3)
     plain_path = saver.save_checkpoint(os.path.join(root, "plain"), client_state=PLAIN)
-    records: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record.getMessage())
-
-    handler = Collect()
-    logging.getLogger("zerospeed").addHandler(handler)
-    try:
+    with log_messages(logging.WARNING) as records:
         saver.save_checkpoint(os.path.join(root, "custom"), client_state={"obj": Custom(7)})
-    finally:
-        logging.getLogger("zerospeed").removeHandler(handler)
     out: dict[str, Any] = {"save_warnings": records}
     # what the engine writes loads with torch's safe loader alone
     out["safe_files"] = sorted(f for f in os.listdir(plain_path) if f.endswith(".pt")

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import zerospeed
-from zerospeed.testing import run_distributed
+from zerospeed.testing import log_messages, run_distributed
 
 MICRO = 2
 STEPS = 5
@@ -260,19 +260,15 @@ def test_bf16_and_fp16_track_fp32_within_2_percent() -> None:
 
 
 def _plumbing() -> dict:
+    with log_messages() as records:
+        return _plumbing_logged(records)
+
+
+def _plumbing_logged(records: list[str]) -> dict:
     import argparse
-    import logging
 
     from torch.utils.data import TensorDataset
 
-    records: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record.getMessage())
-
-    logging.getLogger("zerospeed").addHandler(Collect())
-    logging.getLogger("zerospeed").setLevel(logging.INFO)
     parser = zerospeed.add_config_arguments(argparse.ArgumentParser())
     import json
     import tempfile

@@ -8,7 +8,6 @@ kind (a causal LM, a masked LM) to a lower loss, the ranks agreeing on every par
 
 from __future__ import annotations
 
-import logging
 import math
 import pathlib
 import warnings
@@ -19,7 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import zerospeed
-from zerospeed.testing import run_distributed
+from zerospeed.testing import log_messages, run_distributed
 
 DATA = pathlib.Path(__file__).parent / "data"
 VOCAB, SEQ, DIM, MASK = 32, 16, 32, 0
@@ -65,14 +64,11 @@ def _batch(kind: str, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _train(kind: str, config: str, steps: int) -> dict[str, Any]:
-    logging.getLogger("zerospeed").setLevel(logging.INFO)
-    records: list[str] = []
+    with log_messages() as records:
+        return _train_logged(kind, config, steps, records)
 
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record.getMessage())
 
-    logging.getLogger("zerospeed").addHandler(Collect())
+def _train_logged(kind: str, config: str, steps: int, records: list[str]) -> dict[str, Any]:
     rank = torch.distributed.get_rank()
     torch.manual_seed(0)
     with warnings.catch_warnings(record=True) as seen:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import logging
 import re
 from typing import Any
 
@@ -13,7 +12,7 @@ from torch import nn
 
 import zerospeed
 from zerospeed.profiling.timers import NoTimers, WallClockTimers
-from zerospeed.testing import run_distributed
+from zerospeed.testing import log_messages, run_distributed
 
 
 class FakeClock:
@@ -51,22 +50,14 @@ def test_no_timers_cost_nothing_and_report_nothing() -> None:
 
 
 def _train(breakdown: bool) -> dict[str, Any]:
-    records: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record.getMessage())
-
-    logger = logging.getLogger("zerospeed")
-    logger.setLevel(logging.INFO)
-    logger.addHandler(Collect())
     torch.manual_seed(0)
-    engine, *_ = zerospeed.initialize(model=nn.Linear(8, 8), config={
-        "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "steps_per_print": 2,
-        "wall_clock_breakdown": breakdown, "optimizer": {"type": "Adam", "params": {"lr": 0.01}}})
-    for _ in range(4 * 2):
-        engine.backward(engine(torch.randn(4, 8)).pow(2).mean())
-        engine.step()
+    with log_messages() as records:
+        engine, *_ = zerospeed.initialize(model=nn.Linear(8, 8), config={
+            "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "steps_per_print": 2,
+            "wall_clock_breakdown": breakdown, "optimizer": {"type": "Adam", "params": {"lr": 0.01}}})
+        for _ in range(4 * 2):
+            engine.backward(engine(torch.randn(4, 8)).pow(2).mean())
+            engine.step()
     return {"type": type(engine.timers).__name__, "lines": [r for r in records if "time (ms)" in r]}
 
 

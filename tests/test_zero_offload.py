@@ -19,7 +19,7 @@ from torch import nn
 
 import zerospeed
 from zerospeed.config import ConfigError
-from zerospeed.testing import run_distributed
+from zerospeed.testing import log_messages, run_distributed
 
 STEPS = 4
 OFFLOAD = {"device": "cpu"}
@@ -189,11 +189,8 @@ def _overlap_misuse() -> list[str]:
     except RuntimeError as exc:
         out.append(str(exc))
     before = zerospeed.utils.safe_get_full_fp32_param(next(engine.module.parameters())).clone()
-    records: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("zerospeed").addHandler(handler)
-    engine.zero_grad()
+    with log_messages(logging.WARNING) as records:
+        engine.zero_grad()
     out.append(" | ".join(records))
     engine.backward(engine(x).float().pow(2).mean())  # the next window works normally
     engine.step()
