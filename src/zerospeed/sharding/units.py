@@ -52,19 +52,19 @@ def module_units(model: nn.Module, unit_classes: Sequence[type] | None = None,
 
 
 def coalesce(sizes: Sequence[int], kinds: Sequence[Hashable], *, min_elems: int, max_elems: int) -> list[list[int]]:
-    """Group consecutive items (indices, in order) so that an item smaller than ``min_elems`` shares a
-    group with its neighbours, as long as the group stays within ``max_elems`` and holds one kind only.
+    """Group consecutive items (indices, in order): items smaller than ``min_elems`` share a group with
+    their small neighbours until it holds ``min_elems``, never above ``max_elems``, one kind per group.
 
-    An item joins the open group when either is still smaller than ``min_elems``; items of ``min_elems``
-    or more stay alone unless a small one is next to them. ``kinds`` keep apart what must not share one
-    collective (different dtypes; trainable and frozen units, so frozen bytes are never reduced).
+    Items of ``min_elems`` or more stay alone (their own size, so equal blocks keep reusing one
+    another's buffers); ``kinds`` keep apart what must not share one collective (different dtypes;
+    trainable and frozen units, so frozen bytes are never reduced).
     """
     if len(sizes) != len(kinds):
         raise ValueError(f"{len(sizes)} sizes for {len(kinds)} kinds")
     groups: list[list[int]] = []
     filled = 0
     for i, size in enumerate(sizes):
-        if groups and kinds[groups[-1][-1]] == kinds[i] and min(filled, size) < min_elems \
+        if groups and kinds[groups[-1][-1]] == kinds[i] and max(filled, size) < min_elems \
                 and filled + size <= max_elems:
             groups[-1].append(i)
             filled += size

@@ -9,9 +9,10 @@ parameter boundaries so no bucket exceeds it. Under stage 3, parameters smaller 
 (gathering them would cost more latency than the memory saved) and go into one unit of their own.
 
 Under stages 1-2 a unit is only what one reduce-scatter and one all-gather move (no module gathers
-it), so neighbouring units smaller than :data:`MIN_UNIT_ELEMS` are joined, up to
+it), so neighbouring units smaller than :data:`MIN_UNIT_ELEMS` are joined with one another, up to
 ``reduce_bucket_size``: a small model's blocks then cost a few collectives per step instead of one
-each. Stage 3 keeps the module tree's units, which are what its modules gather and release.
+each, while larger units keep their size. Stage 3 keeps the module tree's units, which are what its
+modules gather and release.
 
 Modules that use a parameter of another unit (a tied LM head reusing the embedding's weight, or a
 parameter registered with :func:`register_external_parameter`) gather that unit too.
@@ -58,9 +59,9 @@ class UnitSpec:
 
 def build_units(model: nn.Module, *, bucket_elems: int, persistence_threshold: int = 0, min_unit_elems: int = 0,
                 unit_classes: tuple[type, ...] | None = None) -> list[UnitSpec]:
-    """Units of ``model`` in registration order (persistent parameters last, in one unit); units
-    smaller than ``min_unit_elems`` are joined with their neighbours up to ``bucket_elems`` (stages
-    1-2: no module gathers them, so a joined unit is gathered by none)."""
+    """Units of ``model`` in registration order (persistent parameters last, in one unit); neighbouring
+    units smaller than ``min_unit_elems`` are joined, up to ``bucket_elems`` (stages 1-2, where no
+    module gathers a unit: a joined unit has no ``module_path``)."""
     by_name = dict(model.named_parameters())
     modules = dict(model.named_modules())
     classes = tuple(unit_classes) if unit_classes is not None else repeated_block_classes(model)
