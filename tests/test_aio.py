@@ -372,3 +372,32 @@ def test_full_disk_found_while_reserving_space_fails_at_submit(tmp_path, monkeyp
         with pytest.raises(OSError, match=r"disk full.*1048576 bytes at offset 0 of .*big\.bin") as info:
             aio.async_pwrite(torch.ones(1 << 20, dtype=torch.uint8), tmp_path / "big.bin")
         assert info.value.errno == errno.ENOSPC and aio.wait() == 0
+
+
+def _smaps_entry(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping that holds ``address``."""
+    entry: dict[str, str] | None = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:  # a mapping's first line: start-end perms ...
+            start, end = (int(x, 16) for x in head.split("-"))
+            entry = {} if start <= address < end else None
+        elif entry is not None and ":" in line:
+            key, value = line.split(":", 1)
+            entry[key] = value.strip()
+            if key == "VmFlags":
+                return entry
+    raise AssertionError(f"no mapping holds address {address:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps") or "[never]" in
+                    (Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+                     if os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled") else "[never]"),
+                    reason="needs Linux transparent huge pages")
+def test_bounce_buffers_may_use_huge_pages():
+    # 4 KiB pages scatter a 1 MiB block over more DMA segments than a virtio disk takes per request,
+    # which split every bounced read in two (half the throughput): the scratch must be huge-page backed
+    scratch = aio_file.Scratch(1 << 20)
+    fields = _smaps_entry(scratch.address)
+    assert fields["THPeligible"] == "1" and "hg" in fields["VmFlags"].split()
+    assert scratch.address % (2 << 20) == 0 and scratch.size == 1 << 20 and len(scratch.view) == 1 << 20

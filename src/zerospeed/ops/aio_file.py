@@ -27,6 +27,8 @@ from typing import Literal
 
 ALIGN = 4096  # O_DIRECT alignment; a multiple of every common logical block size (512, 4096)
 O_DIRECT = getattr(os, "O_DIRECT", 0)
+HUGE_PAGE = 2 << 20  # x86-64 and arm64 (4 KiB base pages) transparent huge page size
+MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
 
 Mode = Literal["buffered", "direct", "bounce"]
 
@@ -145,12 +147,28 @@ def preallocate(fd: int, path: str, offset: int, nbytes: int) -> None:
 
 
 class Scratch:
-    """A page-aligned buffer for O_DIRECT pieces whose tensor memory is not aligned (one per worker thread)."""
+    """A page-aligned buffer for O_DIRECT pieces whose tensor memory is not aligned (one per worker thread).
+
+    It lives on transparent huge pages when the kernel has them, so one block is physically
+    contiguous and reaches the device as one DMA segment instead of one per 4 KiB page. Measured on
+    this project's VM (virtio disk, at most 254 segments per request): 1 MiB reads into 4 KiB pages
+    were split into 1.75 requests each and ran at 0.8-1.0 GB/s; into a huge page, 1.4-1.7 GB/s, as fast
+    as reads into page-aligned tensors. Without huge pages it is ordinary page-aligned memory."""
 
     def __init__(self, size: int):
-        self._map = mmap.mmap(-1, size)  # anonymous maps are page-aligned
-        self.view = memoryview(self._map)
-        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+        span = -(-size // HUGE_PAGE) * HUGE_PAGE
+        # private (shared anonymous memory is shmem, which gets no huge pages), with a huge page of slack
+        # so the buffer can start on a huge-page boundary; the slack is never touched, so never backed
+        self._map = mmap.mmap(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+        shift = (-base) % HUGE_PAGE
+        if MADV_HUGEPAGE is not None:
+            try:
+                self._map.madvise(MADV_HUGEPAGE, shift, span)
+            except OSError:  # kernel without transparent huge pages: 4 KiB pages, still correct
+                pass
+        self.view = memoryview(self._map)[shift:shift + size]
+        self.address = base + shift
         self.size = size
 
 
