@@ -6,6 +6,7 @@ import ctypes
 import errno
 import fcntl
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -213,17 +214,45 @@ def test_deepspeed_style_api_and_config(tmp_path):
         AsyncIOHandle.from_config({"use_gds": True})
 
 
-def test_locked_tensors_are_page_aligned_and_freeable():
+def test_locked_tensors_have_deepspeeds_signature_and_free_semantics(tmp_path):
     with AsyncIOHandle() as aio:
         for dtype, numel in ((torch.uint8, 1), (torch.bfloat16, 5001), (torch.float32, 1 << 20)):
-            t = aio.new_cpu_locked_tensor(numel, dtype)
+            t = aio.new_cpu_locked_tensor(numel, torch.empty(3, dtype=dtype))  # DeepSpeed: (num_elem, example)
             assert t.data_ptr() % ALIGN == 0 and t.dtype == dtype and t.shape == (numel,) and t.is_contiguous()
             assert aio.free_cpu_locked_tensor(t) is True
             assert t.untyped_storage().nbytes() == 0
-        like = aio.new_cpu_locked_tensor(7, torch.empty(2, dtype=torch.float16))  # DeepSpeed's spelling
-        assert like.dtype == torch.float16 and like.numel() == 7
-        with pytest.raises(ValueError, match="not made by this handle"):
-            aio.free_cpu_locked_tensor(torch.empty(3))
+            assert aio.free_cpu_locked_tensor(t) is False  # already freed
+        named = aio.new_cpu_locked_tensor(num_elem=7, example_tensor=torch.empty(0, dtype=torch.float16))
+        assert named.dtype == torch.float16 and named.numel() == 7
+        assert aio.new_cpu_locked_tensor(5, torch.int64).dtype == torch.int64  # a dtype works too
+        # as in DeepSpeed, tensors the handle did not make are left alone: False, memory untouched
+        other = torch.arange(3.0)
+        assert aio.free_cpu_locked_tensor(other) is False and other.tolist() == [0.0, 1.0, 2.0]
+        assert aio.free_cpu_locked_tensor(named[1:]) is False and named.untyped_storage().nbytes() >= 14
+        with pytest.raises(ValueError, match=r"num_elem=-1 must be a non-negative integer"):
+            aio.new_cpu_locked_tensor(-1, torch.empty(0))
+        with pytest.raises(ValueError, match=r"example_tensor='float' must be a tensor"):
+            aio.new_cpu_locked_tensor(4, "float")
+
+
+def test_a_locked_tensor_is_not_freed_under_an_io_in_flight(tmp_path, monkeypatch):
+    (tmp_path / "a.bin").write_bytes(bytes(range(256)) * 64)
+    gate, real = threading.Event(), os.preadv
+
+    def held(fd, buffers, offset):
+        gate.wait(10)
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", held)
+    with AsyncIOHandle() as aio:
+        locked = aio.new_cpu_locked_tensor(3 * 4096, torch.uint8)
+        aio.async_pread(locked[4096:8192], tmp_path / "a.bin")  # a slice: the I/O does not start at its base
+        with pytest.raises(ValueError, match="still in flight; call wait"):
+            aio.free_cpu_locked_tensor(locked)
+        gate.set()
+        assert aio.wait() == 1
+        assert locked[4096:8192].tolist() == list(range(256)) * 16
+        assert aio.free_cpu_locked_tensor(locked) is True
 
 
 def test_missing_directory_and_missing_file_name_the_path(aio, tmp_path):

@@ -8,7 +8,7 @@ offsets and tails are handled (see :mod:`zerospeed.ops.aio_file`), so round trip
 any size and offset.
 
     with AsyncIOHandle(block_size=1 << 20, queue_depth=8) as aio:
-        buf = aio.new_cpu_locked_tensor(n, torch.float32)   # page-aligned: zero-copy O_DIRECT
+        buf = aio.new_cpu_locked_tensor(n, torch.empty(0))  # page-aligned: zero-copy O_DIRECT
         aio.async_pwrite(buf, "/nvme/swap/a.bin", 0)
         ...                                                 # compute while it is written
         aio.wait()                                          # 1 request done (raises its error, if any)
@@ -187,16 +187,17 @@ class AsyncIOHandle:
         return len(requests)
 
     # pinned, page-aligned buffers
-    def new_cpu_locked_tensor(self, numel: int, dtype: torch.dtype | torch.Tensor) -> torch.Tensor:
-        """A flat, page-aligned host tensor (pinned when an accelerator exists) for zero-copy O_DIRECT.
-
-        ``dtype`` may be an example tensor, as DeepSpeed's ``new_cpu_locked_tensor(num_elem, tensor)``."""
-        dtype = dtype.dtype if isinstance(dtype, torch.Tensor) else dtype
+    def new_cpu_locked_tensor(self, num_elem: int, example_tensor: torch.Tensor | torch.dtype) -> torch.Tensor:
+        """A flat tensor of ``num_elem`` elements of ``example_tensor``'s dtype, page-aligned (and pinned when
+        an accelerator exists), so O_DIRECT moves its bytes without a bounce copy (DeepSpeed's signature;
+        a ``torch.dtype`` is accepted too). Release it early with :meth:`free_cpu_locked_tensor`."""
+        dtype = example_tensor.dtype if isinstance(example_tensor, torch.Tensor) else example_tensor
         if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"new_cpu_locked_tensor dtype={dtype!r} must be a torch.dtype or a tensor")
-        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
-            raise ValueError(f"new_cpu_locked_tensor numel={numel!r} must be a non-negative integer")
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+            raise ValueError(f"new_cpu_locked_tensor example_tensor={example_tensor!r} must be a tensor (its dtype "
+                             f"is used) or a torch.dtype")
+        if isinstance(num_elem, bool) or not isinstance(num_elem, int) or num_elem < 0:
+            raise ValueError(f"new_cpu_locked_tensor num_elem={num_elem!r} must be a non-negative integer")
+        nbytes = num_elem * torch.empty((), dtype=dtype).element_size()
         base = get_accelerator().pin_memory(torch.empty(nbytes + ALIGN, dtype=torch.uint8))
         shift = (-base.data_ptr()) % ALIGN
         tensor = base[shift:shift + nbytes].view(dtype)
@@ -205,14 +206,17 @@ class AsyncIOHandle:
         return tensor
 
     def free_cpu_locked_tensor(self, tensor: torch.Tensor) -> bool:
-        """Release a tensor from :meth:`new_cpu_locked_tensor` now (its storage shrinks to 0 bytes)."""
+        """Release a tensor from :meth:`new_cpu_locked_tensor` now (its storage shrinks to 0 bytes); True.
+
+        As in DeepSpeed, a tensor this handle did not make is left alone and False returned (drop your
+        references to free it). Freeing a tensor while an I/O on it is in flight raises instead."""
         ptr = tensor.data_ptr()
         with self._lock:
-            if ptr not in self._locked or tensor.untyped_storage().data_ptr() != \
-                    self._locked[ptr].untyped_storage().data_ptr():
-                raise ValueError("free_cpu_locked_tensor(tensor): tensor was not made by this handle's "
-                                 "new_cpu_locked_tensor; drop your references to free other tensors")
-            if any(r.target.address == ptr for r in self._inflight):
+            mine = self._locked.get(ptr)
+            if mine is None or tensor.untyped_storage().data_ptr() != mine.untyped_storage().data_ptr():
+                return False
+            end = ptr + mine.numel() * mine.element_size()
+            if any(r.target.address < end and ptr < r.target.address + r.target.nbytes for r in self._inflight):
                 raise ValueError("free_cpu_locked_tensor(tensor): an I/O on this tensor is still in flight; "
                                  "call wait() first")
             del self._locked[ptr]
