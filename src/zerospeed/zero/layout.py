@@ -31,8 +31,9 @@ from zerospeed.zero.flat_param import shape_of
 from zerospeed.zero.grads import plan_buckets
 
 PERSISTENT = "<persistent>"
-# Below this many elements (4 MB in fp32) a collective costs about its fixed latency, whatever its size
-# (gloo on 2 CPU ranks: ~1 ms, the time to move ~1 MB; more when the ranks compete for cores).
+# Units smaller than this (4 MB in fp32) are joined at stages 1-2: a collective's fixed cost (gloo on 2
+# CPU ranks: ~1 ms, about the time to move 1 MB; more when the ranks compete for cores) would be a large
+# part of theirs.
 MIN_UNIT_ELEMS = 1 << 20
 
 
