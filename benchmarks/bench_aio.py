@@ -6,16 +6,16 @@ Method: 1 GiB per transfer, for two kinds of tensor:
   tensors 64 bytes past a page boundary, so O_DIRECT has to bounce their bytes through aligned memory);
 * ``aligned``: tensors from ``new_cpu_locked_tensor`` (page-aligned: O_DIRECT straight into them).
 
-Each round runs, in a rotating order, fio (libaio, 1 MiB blocks, iodepth 8, O_DIRECT, buffers on huge
-pages when hugetlb pages are reserved: what this disk can do), DeepSpeed 0.19.8's ``aio_handle`` (1 MiB blocks, queue depth 8, in a long-lived
-``/tmp/dsvenv/bin/python`` subprocess; its op compiles for minutes on first use) and ours with the
-same settings. A write is timed up to its ``fsync``; the page cache is dropped before every read
-(``/proc/sys/vm/drop_caches`` when writable, and ``posix_fadvise(DONTNEED)`` on the file), and every
-read is checked bit-exact afterwards. The disk and CPUs of this machine are shared and noisy, so the
-table gives the median over rounds, and each ratio is the median of the per-round ratios (ours
-against fio and DeepSpeed of the same round). Destination tensors are allocated and touched once
-before timing: a first touch of fresh memory costs page faults here (seconds per GiB on this VM),
-which are not I/O.
+Each round runs, in a rotating order, fio (libaio, 1 MiB blocks, iodepth 8, O_DIRECT, buffers on
+huge pages when hugetlb pages are reserved: what this disk can do), DeepSpeed 0.19.8's ``aio_handle``
+(1 MiB blocks, queue depth 8, in a long-lived ``/tmp/dsvenv/bin/python`` subprocess; its op compiles
+for minutes on first use) and ours with the same settings. A write is timed up to its ``fsync``; the
+page cache is dropped before every read (``/proc/sys/vm/drop_caches`` when writable, and
+``posix_fadvise(DONTNEED)`` on the file), and every read is checked bit-exact afterwards. The disk
+and CPUs of this machine are shared and noisy, so the table gives the median over rounds, and each
+ratio is the median of the per-round ratios (ours against fio and DeepSpeed of the same round).
+Destination tensors are allocated and touched once before timing: a first touch of fresh memory
+costs page faults here (seconds per GiB on this VM), which are not I/O.
 
 Command (as root, reserving 32 MiB of hugetlb pages for fio's buffers while it runs):
     echo 16 > /proc/sys/vm/nr_hugepages

@@ -29,6 +29,8 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
+from zerospeed.ops.aio_file import io_memory
+
 GIB = 1 << 30
 
 
@@ -89,10 +91,11 @@ class SlabBuffers:
     Why not a fresh tensor per read: slabs are read in and released many times a step, and glibc
     keeps freed chunks below its (self-raising) mmap threshold in the heap, so the process's memory
     creeps far past what is resident (measured: a 0.24B-parameter run peaked at 4.3 GiB this way,
-    1.8 GiB with these buffers). Buffers are anonymous mappings, returned to the system when dropped,
-    and page-aligned, so O_DIRECT moves their bytes without a bounce copy. Every buffer is as large as
-    the largest slab seen (DeepSpeed's fixed ``buffer_size``, here taken from the plan), so any free
-    buffer fits any slab; at most ``keep`` free ones are kept.
+    1.8 GiB with these buffers). Buffers are anonymous mappings (:func:`zerospeed.ops.aio_file.io_memory`:
+    private and on huge pages, which reads fill 1.5x faster than shared maps), returned to the system
+    when dropped, and page-aligned, so O_DIRECT moves their bytes without a bounce copy. Every buffer is
+    as large as the largest slab seen (DeepSpeed's fixed ``buffer_size``, here taken from the plan), so
+    any free buffer fits any slab; at most ``keep`` free ones are kept.
     """
 
     def __init__(self, keep: int):
@@ -111,7 +114,8 @@ class SlabBuffers:
         """A free buffer (1-D uint8, ``size`` bytes)."""
         if self._free:
             return self._free.pop()
-        return torch.frombuffer(mmap.mmap(-1, self.size), dtype=torch.uint8)
+        mapping, offset = io_memory(self.size)
+        return torch.frombuffer(mapping, dtype=torch.uint8, count=self.size, offset=offset)
 
     def give(self, buffer: torch.Tensor) -> None:
         if buffer.numel() >= self.size and len(self._free) < self.keep:
