@@ -41,6 +41,8 @@ from typing import Protocol
 
 import torch
 
+from bench_checkpoint import _drop_cache as evict_file_pages  # fsync + fadvise(DONTNEED), same script dir
+from zerospeed.checkpoint.layout import fsync_dir
 from zerospeed.ops.aio import AsyncIOHandle
 
 MIB = 1 << 20
@@ -51,25 +53,12 @@ OPS = ("write", "read")
 
 def drop_cache(path: Path) -> None:
     """Evict ``path`` from the page cache so reads hit the disk (all caches too, when allowed)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    evict_file_pages(str(path))
     try:
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("1\n")
     except OSError:
         pass  # not root: the per-file fadvise above is what evicts this file
-
-
-def fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class System(Protocol):
@@ -94,7 +83,8 @@ class Fio:
 
     Its buffers are on huge pages (``--iomem=shmhuge``) when enough hugetlb pages are reserved: with
     fio's default malloc'd 4 KiB pages, a 1 MiB I/O needs more DMA segments than this VM's virtio disk
-    takes per request (254), is split in two, and fio read 0.6-1.2 GB/s against 1.5-1.9 GB/s on huge pages."""
+    takes per request (254), is split in two, and fio read 0.6-1.2 GB/s, against 1.5-1.9 GB/s on huge
+    pages."""
 
     name = "fio"
 
@@ -136,7 +126,7 @@ class Ours:
         if op == "write":
             self.handle.async_pwrite(src, path)
             self.handle.wait()
-            fsync_file(str(path))
+            fsync_dir(str(path))  # opens read-only and fsyncs: works for a file too
         else:
             self.handle.async_pread(dst, path)
             self.handle.wait()

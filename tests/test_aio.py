@@ -6,6 +6,9 @@ import ctypes
 import errno
 import fcntl
 import os
+import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -444,3 +447,16 @@ def test_io_buffers_are_private_and_may_use_huge_pages(kind):
     small, offset = aio_file.io_memory(8192)  # below half a huge page: private, not rounded up
     small_address = ctypes.addressof(ctypes.c_char.from_buffer(small))
     assert offset == 0 and len(small) == 8192 and "sh" not in _smaps_entry(small_address)["VmFlags"].split()
+
+
+@pytest.mark.skipif(shutil.which("fio") is None, reason="benchmarks/bench_aio.py compares against fio")
+def test_bench_aio_compares_ordinary_and_aligned_tensors_with_fio(tmp_path):
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_aio.py"
+    out = subprocess.run([sys.executable, str(bench), "--mib", "4", "--rounds", "2", "--no-deepspeed",
+                          "--dir", str(tmp_path)], check=True, capture_output=True, text=True, timeout=300).stdout
+    assert "tensors: ordinary at page offset" in out and "aligned at page offset 0/0" in out
+    rows = {tuple(line.split()[:2]): line.split()[2:] for line in out.splitlines()
+            if line.split()[:1] in (["ordinary"], ["aligned"])}
+    assert set(rows) == {(kind, op) for kind in ("ordinary", "aligned") for op in ("write", "read")}
+    for cells in rows.values():  # fio GB/s, ours GB/s, ours / fio
+        assert len(cells) == 3 and all(float(c) > 0 for c in cells)
