@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # so ranks can import 
 import torch
 import torch.distributed as dist
 
-from zerospeed.dist import Comm
-from zerospeed.dist.comm import ALL_REDUCE_REDUCE_SCATTER, NATIVE_REDUCE_SCATTER
+from zerospeed.distributed import Comm
+from zerospeed.distributed.comm import ALL_REDUCE_REDUCE_SCATTER, NATIVE_REDUCE_SCATTER
 from zerospeed.testing import run_distributed
 
 

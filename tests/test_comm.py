@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zerospeed.dist import CollectiveTimeout, Comm
+from zerospeed.distributed import CollectiveTimeout, Comm
 from zerospeed.testing import run_distributed
 
 UNEVEN = [3, 1, 4, 1, 5]  # part sizes per rank: not equal, not multiples of the world size
@@ -261,7 +261,7 @@ def test_point_to_point_timeout_names_the_peer() -> None:
 
 
 def _comm_outlives_its_group() -> str:
-    from zerospeed.dist import shutdown_distributed
+    from zerospeed.distributed import shutdown_distributed
 
     comm = Comm()
     shutdown_distributed()

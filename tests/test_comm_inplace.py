@@ -13,8 +13,8 @@ import time
 import pytest
 import torch
 
-from zerospeed.dist import CollectiveTimeout, Comm
-from zerospeed.dist.comm import (
+from zerospeed.distributed import CollectiveTimeout, Comm
+from zerospeed.distributed.comm import (
     ALL_REDUCE_REDUCE_SCATTER,
     NATIVE_REDUCE_SCATTER,
     ReduceScatterPolicy,

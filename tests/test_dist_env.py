@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 from zerospeed.accelerator import Accelerator, get_accelerator
-from zerospeed.dist import Comm, DistEnv, ParallelDims, discover
-from zerospeed.dist.env import first_host
+from zerospeed.distributed import Comm, DistEnv, ParallelDims, discover
+from zerospeed.distributed.env import first_host
 from zerospeed.testing import run_distributed
 
 
@@ -183,7 +183,7 @@ def _groups_released_while_mesh_lives() -> list[bool]:
     import gc
     import weakref
 
-    from zerospeed.dist import shutdown_distributed
+    from zerospeed.distributed import shutdown_distributed
 
     mesh = ParallelDims(world_size=2).build()
     refs = [weakref.ref(comm.group) for comm in mesh.comms.values()] + [weakref.ref(dist.group.WORLD)]

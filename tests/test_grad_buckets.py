@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from zerospeed.dist import Comm
+from zerospeed.distributed import Comm
 from zerospeed.testing import run_distributed
 from zerospeed.zero.grads import GradBuckets, ReductionPolicy, plan_buckets
 

@@ -33,9 +33,9 @@ def _hang_on_rank_two() -> None:
 def _abort_after_work() -> int:
     # Emulates torch+gloo's occasional "terminate called without an active exception" at exit:
     # the work is done and reported, then the process dies of SIGABRT while shutting down.
-    import zerospeed.dist.env
+    import zerospeed.distributed.env
 
-    zerospeed.dist.env.shutdown_distributed = os.abort
+    zerospeed.distributed.env.shutdown_distributed = os.abort
     return dist.get_rank()
 
 

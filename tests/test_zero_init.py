@@ -186,7 +186,7 @@ def _one_rank_skips(stage: int) -> str:
     idx = torch.zeros(2, 6, dtype=torch.long)
     try:
         engine.backward(engine(idx).float().mean())
-    except zerospeed.dist.comm.CollectiveTimeout as exc:
+    except zerospeed.distributed.comm.CollectiveTimeout as exc:
         return str(exc)
     return "no error"
 

@@ -16,9 +16,9 @@ _LAZY = {
     "load_config": "zerospeed.config",
     "Config": "zerospeed.config",
     "ConfigError": "zerospeed.config",
-    "init_distributed": "zerospeed.dist.env",
-    "ParallelDims": "zerospeed.dist.mesh",
-    "Comm": "zerospeed.dist.comm",
+    "init_distributed": "zerospeed.distributed.env",
+    "ParallelDims": "zerospeed.distributed.mesh",
+    "Comm": "zerospeed.distributed.comm",
     "get_accelerator": "zerospeed.accelerator",
 }
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from zerospeed.config import Config
-from zerospeed.dist.comm import Comm
+from zerospeed.distributed.comm import Comm
 from zerospeed.profiling.timers import NoTimers, PhaseTimers
 from zerospeed.zero.grads import ReductionPolicy
 from zerospeed.zero.replicated import ReplicatedState

@@ -13,9 +13,9 @@ from torch import nn
 from zerospeed.accelerator import get_accelerator
 from zerospeed.config import Config, ConfigError, load_config, resolve_batch
 from zerospeed.data.loader import DistributedLoader
-from zerospeed.dist.comm import Comm
-from zerospeed.dist.env import DEFAULT_TIMEOUT, init_distributed, process_group_timeout
-from zerospeed.dist.mesh import ParallelDims
+from zerospeed.distributed.comm import Comm
+from zerospeed.distributed.env import DEFAULT_TIMEOUT, init_distributed, process_group_timeout
+from zerospeed.distributed.mesh import ParallelDims
 from zerospeed.engine import Engine
 from zerospeed.profiling.timers import NoTimers, PhaseTimers, WallClockTimers
 from zerospeed.zero.external import external_parameters

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from zerospeed.dist.defaults import DEFAULT_ADDR, DEFAULT_PORT
+from zerospeed.distributed.defaults import DEFAULT_ADDR, DEFAULT_PORT
 from zerospeed.launcher.errors import LauncherError, MultiNodeNotImplementedError
 from zerospeed.launcher.hostfile import local_resources, parse_inclusion_exclusion
 

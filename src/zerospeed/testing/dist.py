@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from zerospeed.dist.defaults import DEFAULT_ADDR
+from zerospeed.distributed.defaults import DEFAULT_ADDR
 
 _HOST = DEFAULT_ADDR
 _STACK_DUMP_GRACE_S = 1.0
@@ -69,7 +69,7 @@ def _exit_when_parent_dies(lifeline: mpc.Connection) -> None:
 def _rank_main(fn: Callable[..., Any], setup: _RankSetup, conn: mpc.Connection, lifeline: mpc.Connection,
                args: tuple, kwargs: dict) -> None:
     """Entry point of one rank (runs in the child)."""
-    from zerospeed.dist import env as dist_env
+    from zerospeed.distributed import env as dist_env
 
     threading.Thread(target=_exit_when_parent_dies, args=(lifeline,), daemon=True).start()
     stack_file = open(setup.stack_file, "w")  # noqa: SIM115 - lives until os._exit
@@ -108,7 +108,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
 
     ``fn`` must be importable by name (defined at module level). Inside it the default process
     group is up (started with ``pg_timeout`` seconds, as ``init_distributed(timeout=...)`` would,
-    when given): build a :class:`zerospeed.dist.Comm` and go.
+    when given): build a :class:`zerospeed.distributed.Comm` and go.
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")

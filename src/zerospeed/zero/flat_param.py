@@ -22,7 +22,7 @@ from typing import Any, Callable, ContextManager
 import torch
 from torch import nn
 
-from zerospeed.dist.comm import Comm, Handle
+from zerospeed.distributed.comm import Comm, Handle
 from zerospeed.offload.store import Tier
 from zerospeed.sharding.flat import FlatUnit
 from zerospeed.sharding.plan import UnitPlan

@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from zerospeed.dist.comm import Comm, Handle
+from zerospeed.distributed.comm import Comm, Handle
 
 
 def plan_buckets(numels: Sequence[int], bucket_elems: int) -> list[list[int]]:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zerospeed.dist.comm import Comm
+from zerospeed.distributed.comm import Comm
 from zerospeed.zero.flat_param import OWNER
 
 
@@ -151,7 +151,7 @@ class Init(contextlib.ContextDecorator):
     def comm(self) -> Comm:
         if self._comm is None:
             if not dist.is_initialized():
-                from zerospeed.dist.env import init_distributed
+                from zerospeed.distributed.env import init_distributed
 
                 init_distributed()
             self._comm = Comm(name="zero.Init")

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from zerospeed.dist.comm import Comm, Handle
+from zerospeed.distributed.comm import Comm, Handle
 from zerospeed.offload.store import StateStore, Tier
 from zerospeed.ops.cpu_optimizer import CPUOptimizer
 from zerospeed.optim.lamb import Lamb

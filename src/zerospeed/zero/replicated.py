@@ -13,7 +13,7 @@ from typing import ContextManager, Iterator, Sequence
 import torch
 from torch import nn
 
-from zerospeed.dist.comm import Comm
+from zerospeed.distributed.comm import Comm
 from zerospeed.sharding.slots import ParamInfo, Slot, even_split
 from zerospeed.zero.flat_param import OWNER
 from zerospeed.zero.grads import GradBuckets, ReductionPolicy

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from zerospeed.config.values import OffloadDevice
-from zerospeed.dist.comm import Comm
+from zerospeed.distributed.comm import Comm
 from zerospeed.offload.nvme import RunDirectory, SlabLease, SwappedSlabs, itemsize
 from zerospeed.offload.store import StateStore
 from zerospeed.sharding.plan import ShardPlan

@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from zerospeed.dist.comm import Comm, Handle
+from zerospeed.distributed.comm import Comm, Handle
 from zerospeed.offload.store import Tier
 from zerospeed.zero.flat_param import FlatParamUnit
 from zerospeed.zero.grads import ReductionPolicy

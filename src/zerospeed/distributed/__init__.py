@@ -1,8 +1,8 @@
 """Distributed runtime: rank discovery, process groups, and the single door to collectives."""
 
-from zerospeed.dist.comm import CollectiveError, CollectiveTimeout, Comm, CommStats, Handle
-from zerospeed.dist.env import DistEnv, discover, init_distributed, shutdown_distributed
-from zerospeed.dist.mesh import Mesh, ParallelDims
+from zerospeed.distributed.comm import CollectiveError, CollectiveTimeout, Comm, CommStats, Handle
+from zerospeed.distributed.env import DistEnv, discover, init_distributed, shutdown_distributed
+from zerospeed.distributed.mesh import Mesh, ParallelDims
 
 __all__ = [
     "CollectiveError", "CollectiveTimeout", "Comm", "CommStats", "Handle", "DistEnv", "discover", "init_distributed",

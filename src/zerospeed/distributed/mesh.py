@@ -2,7 +2,7 @@
 
 :class:`ParallelDims` is a pure value: it checks that the degrees multiply to the world size and
 says which ranks share each axis. :meth:`ParallelDims.build` turns it into a :class:`Mesh` (one
-:class:`~zerospeed.dist.comm.Comm` per axis) that is passed to whoever
+:class:`~zerospeed.distributed.comm.Comm` per axis) that is passed to whoever
 needs groups; nothing is stored in module globals.
 
 Rank layout is row-major over ``(pp, dp, tp)``: tensor-parallel peers are adjacent ranks (they
@@ -17,7 +17,7 @@ from typing import Literal, Mapping
 
 import torch.distributed as dist
 
-from zerospeed.dist.comm import DEFAULT_COMM_TIMEOUT, Comm
+from zerospeed.distributed.comm import DEFAULT_COMM_TIMEOUT, Comm
 
 Axis = Literal["pp", "dp", "tp"]
 AXES: tuple[Axis, ...] = ("pp", "dp", "tp")

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from zerospeed.accelerator import get_accelerator
-from zerospeed.dist.defaults import DEFAULT_ADDR, DEFAULT_PORT
+from zerospeed.distributed.defaults import DEFAULT_ADDR, DEFAULT_PORT
 
 Source = Literal["torchrun", "slurm", "openmpi", "pmi", "single"]
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
