@@ -16,19 +16,31 @@ import os
 import time
 import uuid
 import weakref
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
 import torch
 from torch import nn
 
 from zerospeed.config import Config
+from zerospeed.data.loader import DistributedLoader
 from zerospeed.distributed.comm import Comm
+from zerospeed.precision.policy import MixedPrecisionPolicy
 from zerospeed.profiling.timers import NoTimers, PhaseTimers
-from zerospeed.zero.grads import ReductionPolicy
+from zerospeed.zero.contract import ModelState
+from zerospeed.zero.grads import GradBuckets
 from zerospeed.zero.replicated import ReplicatedState
-from zerospeed.zero.step_grads import StepGrads
+
+if TYPE_CHECKING:
+    from zerospeed.checkpoint.commit import BackgroundSave
 
 log = logging.getLogger("zerospeed")
+
+
+class LRScheduler(Protocol):
+    """What the engine needs of an LR schedule (torch's schedulers and DeepSpeed's both qualify);
+    ``state_dict``/``load_state_dict``, when present, are used by checkpoints."""
+
+    def step(self) -> Any: ...
 
 
 class Engine(nn.Module):
@@ -39,9 +51,10 @@ class Engine(nn.Module):
     step; at any stage ``zerospeed.utils.safe_get_full_grad(param)``.
     """
 
-    def __init__(self, module: nn.Module, cfg: Config, comm: Comm, policy: Any,
-                 optimizer: torch.optim.Optimizer | None, lr_scheduler: Any = None, state: Any = None, *,
-                 timers: PhaseTimers | None = None):
+    def __init__(self, module: nn.Module, cfg: Config, comm: Comm, policy: MixedPrecisionPolicy,
+                 optimizer: torch.optim.Optimizer | None, lr_scheduler: LRScheduler | None = None, *,
+                 state: ModelState, timers: PhaseTimers | None = None,
+                 training_dataloader: DistributedLoader | None = None):
         super().__init__()
         # wall_clock_breakdown: phases timed (and synchronized) only when the config asks
         self.timers: PhaseTimers = timers if timers is not None else NoTimers()
@@ -57,7 +70,7 @@ class Engine(nn.Module):
         self._publish_scale()
         # Where parameters, gradients and optimizer states live: ReplicatedState (stage 0) or
         # ShardedState (stages 1-3), driven through the same calls.
-        self.state = state if state is not None else _replicated(module, cfg, comm, policy)
+        self.state = state
         if optimizer is not None and self.state.optimizer is None:
             self.state.adopt(optimizer)
         self.micro_steps = 0
@@ -69,11 +82,11 @@ class Engine(nn.Module):
         self._in_no_sync = False
         self._last_loss: torch.Tensor | None = None
         self._tick = time.perf_counter()
-        self.training_dataloader: Any = None  # set by initialize; its position is saved in checkpoints
+        self.training_dataloader = training_dataloader  # its position is saved in checkpoints
         # Names this engine's checkpoint handshakes in the ranks' store (one collective, at start).
         self.checkpoint_id: str = comm.all_gather_object(uuid.uuid4().hex)[0]
         self._checkpoint_calls = 0
-        self._pending_save: Any = None
+        self._pending_save: BackgroundSave | None = None
         atexit.register(_wait_at_exit, weakref.ref(self))
 
     # -- sizes ----------------------------------------------------------------------------
@@ -144,8 +157,6 @@ class Engine(nn.Module):
         if not boundary:
             return False
         grads = self.state.step_grads()
-        if not isinstance(grads, StepGrads):
-            grads = StepGrads.in_memory(grads)
         if self.scaler.loss_scale != 1.0:
             grads.div_(self.scaler.loss_scale)
         # One number answers both questions: the global norm is finite iff no rank has an inf/nan.
@@ -178,7 +189,18 @@ class Engine(nn.Module):
 
     def _publish_scale(self) -> None:
         if self.optimizer is not None:
-            self.optimizer.cur_scale = float(self.scaler.loss_scale)
+            self.optimizer.cur_scale = float(self.scaler.loss_scale)  # type: ignore[attr-defined]
+
+    def restore_progress(self, *, global_steps: int, global_samples: int, micro_steps: int,
+                         skipped_steps: int) -> None:
+        """Set the step counters (a checkpoint load; ``micro_steps`` at the start of a window)."""
+        self.global_steps, self.global_samples = global_steps, global_samples
+        self.micro_steps, self.skipped_steps = micro_steps, skipped_steps
+
+    def load_scaler_state(self, state: dict[str, Any]) -> None:
+        """Restore the loss scaler (a checkpoint load) and publish its scale on the optimizer."""
+        self.scaler.load_state_dict(state)
+        self._publish_scale()
 
     def _finish_window(self) -> None:
         self.state.zero()
@@ -267,20 +289,16 @@ class Engine(nn.Module):
     def offload_io(self) -> dict[str, float]:
         """This rank's NVMe traffic since initialize: ``bytes_read``, ``bytes_written``, and the seconds
         the training thread spent blocked on it (``read_wait_s``, ``write_wait_s``); zeros without NVMe."""
-        io = getattr(self.state, "offload_io", None)
-        return io() if io is not None else {"bytes_read": 0, "bytes_written": 0, "read_wait_s": 0.0,
-                                            "write_wait_s": 0.0}
+        return self.state.offload_io()
 
     def empty_partition_cache(self) -> None:
         """Release every gathered ZeRO-3 parameter (a no-op at stages 0-2)."""
-        release = getattr(self.state, "release_all", None)
-        if release is not None:
-            release()
+        self.state.release_all()
 
     @property
-    def buckets(self) -> Any:
+    def buckets(self) -> GradBuckets:
         """Stage 0's gradient buckets (``grad_of(param)``); stages 1-3 keep gradient shards instead."""
-        if not hasattr(self.state, "buckets"):
+        if not isinstance(self.state, ReplicatedState):
             raise AttributeError(f"ZeRO stage {self.state.stage} keeps gradient shards, not buckets; use "
                                  f"zerospeed.utils.safe_get_full_grad(param)")
         return self.state.buckets
@@ -337,15 +355,3 @@ def _wait_at_exit(ref: "weakref.ref[Engine]") -> None:
         for handler in log.handlers:
             handler.flush()
         os._exit(1)
-
-
-def reduction_policy(cfg: Config, policy: Any) -> ReductionPolicy:
-    """DeepSpeed's gradient averaging settings, as one value."""
-    return ReductionPolicy(reduce_dtype=policy.reduce_dtype, prescale=cfg.prescale_gradients,
-                           predivide_factor=cfg.gradient_predivide_factor)
-
-
-def _replicated(module: nn.Module, cfg: Config, comm: Comm, policy: Any) -> ReplicatedState:
-    return ReplicatedState(module, comm, master_dtype=policy.master_dtype, accum_dtype=policy.grad_accum_dtype,
-                           bucket_elems=int(cfg.zero_optimization.reduce_bucket_size),
-                           reduction=reduction_policy(cfg, policy))

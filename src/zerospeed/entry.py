@@ -19,8 +19,11 @@ from zerospeed.distributed.mesh import ParallelDims
 from zerospeed.engine import Engine
 from zerospeed.profiling.timers import NoTimers, PhaseTimers, WallClockTimers
 from zerospeed.zero.external import external_parameters
-from zerospeed.zero.flat_param import OWNER
-from zerospeed.zero.init import InitPartition
+from zerospeed.precision.policy import MixedPrecisionPolicy
+from zerospeed.zero.contract import ModelState
+from zerospeed.zero.grads import ReductionPolicy
+from zerospeed.zero.replicated import ReplicatedState
+from zerospeed.zero.owner import clear_owner, engine_owner, init_partition
 from zerospeed.zero.optimizer import check_supported
 
 log = logging.getLogger("zerospeed")
@@ -102,8 +105,8 @@ def initialize(args: Any = None, model: nn.Module | None = None,
         loader = DistributedLoader(training_data, micro_batch_size=int(cfg.train_micro_batch_size_per_gpu),
                                    rank=comm.rank, world_size=comm.world_size, collate_fn=collate_fn,
                                    drop_last=cfg.dataloader_drop_last)
-    engine = Engine(model, cfg, comm, policy, opt, sched, state=state, timers=_timers(cfg))
-    engine.training_dataloader = loader
+    engine = Engine(model, cfg, comm, policy, opt, sched, state=state, timers=_timers(cfg),
+                    training_dataloader=loader)
     _ensure_log_handler()
     if comm.rank == 0:
         log.info("zerospeed config (resolved, every default in force):\n%s", cfg.to_json())
@@ -166,11 +169,11 @@ def _resolved_config(source: Any, world: int) -> Config:
 def _detach_previous_engine(model: nn.Module) -> None:
     """A model given to ``initialize`` again leaves its previous engine (whose hooks would otherwise
     take every gradient first): parameters are made whole and unhooked, the old engine is dead."""
-    states: list[Any] = []
+    states: list[ModelState] = []
     for p in model.parameters():
-        state = getattr(getattr(p, OWNER, None), "state", None)
-        if state is not None and all(state is not known for known in states):
-            states.append(state)
+        owner = engine_owner(p)
+        if owner is not None and all(owner.state is not known for known in states):
+            states.append(owner.state)
     for state in states:
         log.warning("zerospeed.initialize: this model belongs to an earlier engine; that engine stops working")
         state.detach_model()
@@ -181,21 +184,20 @@ def _broadcast_from_rank0(model: nn.Module, comm: Comm) -> None:
     partitioned by zero.Init were broadcast when they were made)."""
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
-            if not isinstance(getattr(tensor, OWNER, None), InitPartition):
+            if init_partition(tensor) is None:
                 comm.broadcast(tensor.data, src=0)
 
 
-def _model_state(model: nn.Module, cfg: Config, comm: Comm, policy: Any, has_optimizer: bool = True) -> Any:
+def _model_state(model: nn.Module, cfg: Config, comm: Comm, policy: MixedPrecisionPolicy,
+                 has_optimizer: bool = True) -> ModelState:
     """Stage 0 keeps everything on every rank; stages 1-3 shard (see zerospeed.zero)."""
-    from zerospeed.engine import _replicated, reduction_policy
-
     stage = int(cfg.zero_optimization.stage)
     if stage == 0:
         for p in model.parameters():  # built under zero.Init but trained unsharded: make them whole
-            owner = getattr(p, OWNER, None)
-            if isinstance(owner, InitPartition):
-                p.data = owner.take_full().to(p.dtype)
-                delattr(p, OWNER)
+            partition = init_partition(p)
+            if partition is not None:
+                p.data = partition.take_full().to(p.dtype)
+                clear_owner(p)
         return _replicated(model, cfg, comm, policy)
     from zerospeed.offload.store import StateStore
     from zerospeed.zero.eager import StepOverlap
@@ -236,6 +238,18 @@ def _warn_if_slow_on_cpu(optimizer: torch.optim.Optimizer | None) -> None:
         log.warning("zero_optimization.offload_optimizer: %s steps on the CPU as a plain torch optimizer, in "
                     "several passes; zerospeed.ops.adam.CPUAdam (chosen automatically for a configured "
                     "Adam/AdamW) does it in one", type(optimizer).__name__)
+
+
+def reduction_policy(cfg: Config, policy: MixedPrecisionPolicy) -> ReductionPolicy:
+    """DeepSpeed's gradient averaging settings, as one value."""
+    return ReductionPolicy(reduce_dtype=policy.reduce_dtype, prescale=cfg.prescale_gradients,
+                           predivide_factor=cfg.gradient_predivide_factor)
+
+
+def _replicated(module: nn.Module, cfg: Config, comm: Comm, policy: MixedPrecisionPolicy) -> ReplicatedState:
+    return ReplicatedState(module, comm, master_dtype=policy.master_dtype, accum_dtype=policy.grad_accum_dtype,
+                           bucket_elems=int(cfg.zero_optimization.reduce_bucket_size),
+                           reduction=reduction_policy(cfg, policy))
 
 
 def _build_optimizer(optimizer: Any, model_parameters: Any, trainable: list[nn.Parameter],

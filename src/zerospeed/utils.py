@@ -11,14 +11,7 @@ from __future__ import annotations
 import torch
 
 from zerospeed.data.loader import RepeatingLoader
-from zerospeed.zero.flat_param import OWNER
-
-
-def _owner(param: torch.Tensor):
-    owner = getattr(param, OWNER, None)
-    if owner is None or not hasattr(owner, "full_fp32"):
-        return None
-    return owner
+from zerospeed.zero.owner import engine_owner as _owner
 
 
 def safe_get_full_fp32_param(param: torch.nn.Parameter) -> torch.Tensor | None:

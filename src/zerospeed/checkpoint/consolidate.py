@@ -13,7 +13,7 @@ import math
 import os
 import re
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -21,6 +21,9 @@ from torch import nn
 from zerospeed.checkpoint.layout import BUFFER, MASTER, CheckpointError, fsync_dir, resolve
 from zerospeed.checkpoint.reader import CheckpointSet
 from zerospeed.checkpoint.safetensors_io import StreamingWriter
+
+if TYPE_CHECKING:
+    from zerospeed.checkpoint.contract import CheckpointedEngine
 
 CHUNK_BYTES = 16 * 1024 * 1024
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -198,7 +201,7 @@ def _write_shard(ckpt: CheckpointSet, path: str, shard: list[tuple], chunk_bytes
 
 
 # -- 16-bit weights from a live engine -----------------------------------------------------------
-def save_16bit_model(engine: Any, save_dir: str, save_filename: str = "pytorch_model.bin",
+def save_16bit_model(engine: CheckpointedEngine, save_dir: str, save_filename: str = "pytorch_model.bin",
                      exclude_frozen_parameters: bool = False) -> bool:
     """See :meth:`zerospeed.engine.Engine.save_16bit_model`."""
     rank0 = engine.comm.rank == 0

@@ -17,7 +17,7 @@ import json
 import logging
 import os
 import warnings
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple
 
 import torch
 
@@ -30,13 +30,16 @@ from zerospeed.checkpoint.state_io import (RankPayload, StreamedPayload, collect
                                            load_masters, load_param_groups, missing_params,
                                            restore_optimizer_states)
 
+if TYPE_CHECKING:
+    from zerospeed.checkpoint.contract import CheckpointedEngine
+
 log = logging.getLogger("zerospeed")
 # Ranks reach a save within moments of each other (the last step's collectives line them up); one
 # that has not arrived after this long is not coming (``if rank == 0:`` before a torch barrier).
 HANDSHAKE_TIMEOUT = 300.0
 
 
-def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: dict | None = None,
+def save_checkpoint(engine: CheckpointedEngine, save_dir: str, tag: Any = None, client_state: dict | None = None,
                     save_latest: bool = True, exclude_frozen_parameters: bool = False,
                     async_save: bool | None = None) -> BackgroundSave | str:
     """Run one save (every rank calls it); see :meth:`zerospeed.engine.Engine.save_checkpoint`."""
@@ -90,7 +93,7 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
     return job.run()
 
 
-def _prepare(engine: Any, sync: RankSync, save_dir: str, tmp_dir: str, tag: str, client_state: dict | None,
+def _prepare(engine: CheckpointedEngine, sync: RankSync, save_dir: str, tmp_dir: str, tag: str, client_state: dict | None,
              save_latest: bool, exclude_frozen_parameters: bool, async_save: bool | None) -> tuple[SaveJob, bool]:
     """This rank's part of a save, ready to run: its temporary directory (leased), the fragments
     (snapshotted for an asynchronous save), and its serialized small state."""
@@ -138,13 +141,13 @@ def _prepare(engine: Any, sync: RankSync, save_dir: str, tmp_dir: str, tag: str,
     return job, asynchronous
 
 
-def _collect_part(engine: Any, units: list[int] | None, frozen: set[str]) -> RankPayload:
+def _collect_part(engine: CheckpointedEngine, units: list[int] | None, frozen: set[str]) -> RankPayload:
     """Fragments of ``units``' slots (default: all), frozen parameters excluded (views, not copies)."""
     slots = engine.state.checkpoint_slots(for_save=True, units=units)
     return collect([slot for slot in slots if slot.param not in frozen], engine.optimizer, with_optimizer=True)
 
 
-def _stream_parts(engine: Any, groups: list[list[int]], frozen: set[str],
+def _stream_parts(engine: CheckpointedEngine, groups: list[list[int]], frozen: set[str],
                   buffers: dict[str, torch.Tensor]) -> Callable[[], Iterator[RankPayload]]:
     """The parts of a streamed save: each group's fragments while that group alone is resident (read
     only: nothing is written back), then the buffers."""
@@ -157,11 +160,11 @@ def _stream_parts(engine: Any, groups: list[list[int]], frozen: set[str],
     return parts
 
 
-def _manifest(engine: Any, tag: str, buffers: dict[str, torch.Tensor]) -> dict[str, Any]:
+def _manifest(engine: CheckpointedEngine, tag: str, buffers: dict[str, torch.Tensor]) -> dict[str, Any]:
     import zerospeed
 
     optimizer = engine.optimizer
-    group_params = [[] for _ in optimizer.param_groups] if optimizer is not None else []
+    group_params: list[list[str]] = [[] for _ in optimizer.param_groups] if optimizer is not None else []
     names = {id(p): n for n, p in engine.module.named_parameters()}
     aliases = {n: names[id(p)] for n, p in engine.module.named_parameters(remove_duplicate=False)
                if names[id(p)] != n}
@@ -193,7 +196,7 @@ class SmallState(NamedTuple):
     rank: dict[str, Any] | None  # this rank's RNG and data position; None across a topology change
 
 
-def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+def load_checkpoint(engine: CheckpointedEngine, load_dir: str, tag: Any = None, load_module_strict: bool = True,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     load_module_only: bool = False, custom_load_fn: Any = None, *,
                     allow_unsafe_pickle: bool = False) -> tuple[str | None, Any]:
@@ -226,10 +229,10 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
         return path, small.engine.get("client_state")
     _load_scaler(engine, manifest["loss_scaler"])
     counters = manifest["counters"]
-    engine.global_steps = int(counters["global_steps"])
-    engine.global_samples = int(counters["global_samples"])
-    engine.micro_steps = resumed_micro_steps(counters, manifest["config"], engine.gradient_accumulation_steps())
-    engine.skipped_steps = int(counters["skipped_steps"])
+    engine.restore_progress(
+        global_steps=int(counters["global_steps"]), global_samples=int(counters["global_samples"]),
+        micro_steps=resumed_micro_steps(counters, manifest["config"], engine.gradient_accumulation_steps()),
+        skipped_steps=int(counters["skipped_steps"]))
     scheduler_state = small.engine.get("lr_scheduler")
     if load_lr_scheduler_states and scheduler_state is not None and hasattr(engine.lr_scheduler, "load_state_dict"):
         engine.lr_scheduler.load_state_dict(scheduler_state)
@@ -249,7 +252,7 @@ def resumed_micro_steps(counters: dict[str, Any], saved_config: dict[str, Any], 
     return int(counters["micro_steps"]) // saved_accumulation * accumulation
 
 
-def _same_data_layout(engine: Any, manifest: dict[str, Any]) -> bool:
+def _same_data_layout(engine: CheckpointedEngine, manifest: dict[str, Any]) -> bool:
     """Whether this rank's saved RNG states and data position apply as they are: the same ranks, each
     reading the same micro-batches."""
     return (int(manifest["world_size"]) == engine.comm.world_size
@@ -260,7 +263,7 @@ def _same_data_layout(engine: Any, manifest: dict[str, Any]) -> bool:
 _LOAD_ERRORS = (CheckpointError, OSError, ValueError, KeyError, RuntimeError)
 
 
-def _load_all(engine: Any, ckpt: CheckpointSet, strict: bool, with_optimizer: bool,
+def _load_all(engine: CheckpointedEngine, ckpt: CheckpointSet, strict: bool, with_optimizer: bool,
               allow_unsafe_pickle: bool) -> SmallState:
     """Everything in memory: read this rank's state, agree on the outcome, refresh (collective)."""
     error: BaseException | None = None
@@ -271,8 +274,9 @@ def _load_all(engine: Any, ckpt: CheckpointSet, strict: bool, with_optimizer: bo
             small = _load_common(engine, ckpt, [slot.param for slot in slots], strict, with_optimizer,
                                  allow_unsafe_pickle)
             load_masters(slots, ckpt, strict=strict, optional=_optional(engine, ckpt))
-            if _loads_optimizer(engine, ckpt, with_optimizer):
-                restore_optimizer_states(slots, engine.optimizer, ckpt)
+            optimizer = _loads_optimizer(engine, ckpt, with_optimizer)
+            if optimizer is not None:
+                restore_optimizer_states(slots, optimizer, ckpt)
         except _LOAD_ERRORS as exc:
             error = exc
         engine.comm.fail_together(error, "load_checkpoint", error_type=CheckpointError)
@@ -280,7 +284,7 @@ def _load_all(engine: Any, ckpt: CheckpointSet, strict: bool, with_optimizer: bo
     return small
 
 
-def _load_streamed(engine: Any, ckpt: CheckpointSet, groups: list[list[int]], strict: bool,
+def _load_streamed(engine: CheckpointedEngine, ckpt: CheckpointSet, groups: list[list[int]], strict: bool,
                    with_optimizer: bool, allow_unsafe_pickle: bool) -> SmallState:
     """NVMe tier: one group of units resident at a time, loaded, refreshed and written back before
     the next (the ranks agree on each group's outcome before its collective refresh)."""
@@ -300,27 +304,27 @@ def _load_streamed(engine: Any, ckpt: CheckpointSet, groups: list[list[int]], st
             try:
                 slots = state.checkpoint_slots(for_save=False, units=group)
                 load_masters(slots, ckpt, strict=False, optional=optional)  # strict: checked above
-                if optimizer:
-                    restore_optimizer_states(slots, engine.optimizer, ckpt, replace=False)
+                if optimizer is not None:
+                    restore_optimizer_states(slots, optimizer, ckpt, replace=False)
                     keys += [slot.opt_key for slot in slots if slot.opt_key is not None]
             except _LOAD_ERRORS as exc:
                 error = exc
             comm.fail_together(error, "load_checkpoint", error_type=CheckpointError)
             state.after_checkpoint_load(units=group)  # while the group's masters are resident
-    if optimizer:
-        keep_states_of(engine.optimizer, keys)
+    if optimizer is not None:
+        keep_states_of(optimizer, keys)
     return small
 
 
-def _load_common(engine: Any, ckpt: CheckpointSet, names: list[str], strict: bool, with_optimizer: bool,
+def _load_common(engine: CheckpointedEngine, ckpt: CheckpointSet, names: list[str], strict: bool, with_optimizer: bool,
                  allow_unsafe_pickle: bool) -> SmallState:
     """Check everything first (names, shapes, ``names``' values present, the optimizer's class, the
     pickled files), then read all but masters and optimizer states: buffers, param groups."""
     manifest = ckpt.manifest
     _check_names(engine, ckpt, strict=strict)
     missing_params(names, ckpt, strict=strict)
-    optimizer = engine.optimizer if _loads_optimizer(engine, ckpt, with_optimizer) else None
-    saved_class = manifest["optimizer"]["class"] if optimizer is not None else None
+    optimizer = _loads_optimizer(engine, ckpt, with_optimizer)
+    saved_class: str = manifest["optimizer"]["class"] if optimizer is not None else ""
     if optimizer is not None and _state_family(saved_class) != _state_family(type(optimizer).__name__):
         raise CheckpointError(f"{ckpt.path} holds {saved_class} states but this engine's optimizer is "
                               f"{type(optimizer).__name__}; load with load_optimizer_states=False")
@@ -340,11 +344,15 @@ def _load_common(engine: Any, ckpt: CheckpointSet, names: list[str], strict: boo
     return small
 
 
-def _loads_optimizer(engine: Any, ckpt: CheckpointSet, with_optimizer: bool) -> bool:
-    return with_optimizer and engine.optimizer is not None and ckpt.manifest.get("optimizer") is not None
+def _loads_optimizer(engine: CheckpointedEngine, ckpt: CheckpointSet,
+                     with_optimizer: bool) -> torch.optim.Optimizer | None:
+    """The optimizer to restore states into, or None when they are not loaded."""
+    if with_optimizer and ckpt.manifest.get("optimizer") is not None:
+        return engine.optimizer
+    return None
 
 
-def _optional(engine: Any, ckpt: CheckpointSet) -> set[str]:
+def _optional(engine: CheckpointedEngine, ckpt: CheckpointSet) -> set[str]:
     """Frozen parameters a save excluded: they keep their current values."""
     if not ckpt.manifest.get("excluded_frozen_parameters"):
         return set()
@@ -360,7 +368,7 @@ def _state_family(name: str) -> str:
     return _STATE_FAMILIES.get(name, name)
 
 
-def _check_names(engine: Any, ckpt: CheckpointSet, *, strict: bool) -> None:
+def _check_names(engine: CheckpointedEngine, ckpt: CheckpointSet, *, strict: bool) -> None:
     """Shapes must agree; under ``strict`` the names must too (tied aliases count, either way round)."""
     wrong = []
     for p in engine.state.checkpoint_params():
@@ -392,15 +400,15 @@ def _persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: buf for name, buf in module.named_buffers() if name in keys}
 
 
-def _loader_state(engine: Any) -> dict[str, int] | None:
-    loader = getattr(engine, "training_dataloader", None)
+def _loader_state(engine: CheckpointedEngine) -> dict[str, int] | None:
+    loader = engine.training_dataloader
     return loader.state_dict() if loader is not None else None
 
 
-def _restore_loader(engine: Any, manifest: dict[str, Any], rank_state: dict[str, Any] | None) -> None:
+def _restore_loader(engine: CheckpointedEngine, manifest: dict[str, Any], rank_state: dict[str, Any] | None) -> None:
     """Continue the data where the saved run was; across a world-size change, at the same number of
     samples consumed (rounded down to whole micro-batches)."""
-    loader = getattr(engine, "training_dataloader", None)
+    loader = engine.training_dataloader
     if loader is None:
         return
     if rank_state is not None and rank_state.get("loader") is not None:
@@ -413,13 +421,12 @@ def _restore_loader(engine: Any, manifest: dict[str, Any], rank_state: dict[str,
     loader.load_state_dict({"epoch": batches // epoch_batches, "batches_in_epoch": batches % epoch_batches})
 
 
-def _load_scaler(engine: Any, saved: dict[str, Any]) -> None:
+def _load_scaler(engine: CheckpointedEngine, saved: dict[str, Any]) -> None:
     saved = dict(saved)
     kind = saved.pop("class", None)
     if kind is not None and kind != type(engine.scaler).__name__:
         log.warning("load_checkpoint: the checkpoint's loss scaler is %s, this run's %s (precision changed); "
                     "keeping this run's scale", kind, type(engine.scaler).__name__)
         return
-    engine.scaler.load_state_dict(saved)
-    engine._publish_scale()
+    engine.load_scaler_state(saved)
 

@@ -26,22 +26,18 @@ from zerospeed.distributed.comm import Comm, Handle
 from zerospeed.offload.store import Tier
 from zerospeed.sharding.flat import FlatUnit
 from zerospeed.sharding.plan import UnitPlan
-
-OWNER = "_zerospeed_owner"
-
+from zerospeed.zero.owner import init_partition
 
 def full_values(param: torch.Tensor) -> torch.Tensor:
     """``param``'s full values: itself, or gathered from its ``zero.Init`` partition (collective)."""
-    owner = getattr(param, OWNER, None)
-    if owner is not None and hasattr(owner, "take_full"):
-        return owner.take_full()
-    return param.detach()
+    partition = init_partition(param)
+    return partition.take_full() if partition is not None else param.detach()
 
 
 def shape_of(param: torch.Tensor) -> tuple[int, ...]:
     """The full shape, also for a parameter partitioned by ``zero.Init`` (whose data is empty)."""
-    owner = getattr(param, OWNER, None)
-    return tuple(owner.shape) if owner is not None and hasattr(owner, "shape") else tuple(param.shape)
+    partition = init_partition(param)
+    return partition.shape if partition is not None else tuple(param.shape)
 
 
 class FlatParamUnit:

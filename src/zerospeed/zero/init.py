@@ -27,10 +27,11 @@ import torch.distributed as dist
 from torch import nn
 
 from zerospeed.distributed.comm import Comm
-from zerospeed.zero.flat_param import OWNER
+from zerospeed.zero.flat_param import FlatParamUnit
+from zerospeed.zero.owner import InitOwner, engine_owner, init_partition, owner_of, set_owner
 
 
-class InitPartition:
+class InitPartition(InitOwner):
     """One parameter partitioned by ``zero.Init``: this rank's even slice and the full shape."""
 
     def __init__(self, param: nn.Parameter, comm: Comm, stash: "NvmeStash | None" = None):
@@ -187,14 +188,14 @@ class Init(contextlib.ContextDecorator):
     def _partition(self, module: nn.Module) -> None:
         """Partition every parameter of ``module``'s subtree not yet partitioned."""
         for param in module.parameters():
-            if getattr(param, OWNER, None) is not None:
+            if owner_of(param) is not None:
                 continue
             if self.dtype is not None and param.is_floating_point() and param.dtype != self.dtype:
                 param.data = param.data.to(self.dtype)
             if self._nvme is not None and self._stash is None and param.device.type == "cpu":
                 self._stash = NvmeStash(self._nvme[0], self.comm, self._nvme[1])
             stash = self._stash if param.device.type == "cpu" else None
-            setattr(param, OWNER, InitPartition(param, self.comm, stash))
+            set_owner(param, InitPartition(param, self.comm, stash))
 
 
 def _most_derived_init(module: nn.Module) -> type:
@@ -248,33 +249,35 @@ def GatheredParameters(params: nn.Parameter | Iterable[nn.Parameter], modifier_r
     if not enabled:
         yield
         return
-    owners = [getattr(p, OWNER, None) for p in params]
-    partitions = [o for o in owners if isinstance(o, InitPartition)]
-    units = []
-    for owner in owners:
-        unit = getattr(owner, "unit", None)
-        if unit is not None and not unit.persistent and all(unit is not u for u, _ in units):
-            units.append((unit, unit.gathered))
+    partitions = [o for o in map(init_partition, params) if o is not None]
+    engine_units: list[FlatParamUnit] = []
+    for p in params:
+        owner = engine_owner(p)
+        unit = owner.unit if owner is not None else None
+        if unit is not None and all(unit is not u for u in engine_units):
+            engine_units.append(unit)
+    gathered = [(unit, unit.gathered) for unit in engine_units if not unit.persistent]
     for partition in partitions:
         partition.gather()
-    for unit, _ in units:
+    for unit, _ in gathered:
         unit.gather()
     try:
         yield
     finally:
         for partition in partitions:
             partition.release(modifier_rank)
-        for unit, was_gathered in units:
+        for unit, was_gathered in gathered:
             if modifier_rank is not None:
                 _adopt_edits(unit, modifier_rank)
             if not was_gathered:
                 unit.release()
         if modifier_rank is not None:
-            _adopt_persistent_edits([o for o in owners if getattr(o, "unit", None) is not None
-                                     and o.unit.persistent], modifier_rank)
+            for unit in engine_units:
+                if unit.persistent:
+                    _adopt_edits(unit, modifier_rank)
 
 
-def _adopt_edits(unit: Any, modifier_rank: int) -> None:
+def _adopt_edits(unit: FlatParamUnit, modifier_rank: int) -> None:
     """Broadcast ``modifier_rank``'s full unit and make it every rank's shard and fp32 master."""
     unit.comm.broadcast(unit.full, src=modifier_rank)
     lo, hi = unit.plan.shard_range(unit.comm.rank)
@@ -283,11 +286,3 @@ def _adopt_edits(unit: Any, modifier_rank: int) -> None:
         if unit.master is not None and unit.master is not unit.shard:
             with unit.master_resident():  # an NVMe-tier master is read in, updated, written back
                 unit.master.copy_(unit.shard)
-
-
-def _adopt_persistent_edits(owners: list[Any], modifier_rank: int) -> None:
-    seen: list[Any] = []
-    for owner in owners:
-        if all(owner.unit is not u for u in seen):
-            seen.append(owner.unit)
-            _adopt_edits(owner.unit, modifier_rank)

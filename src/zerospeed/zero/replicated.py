@@ -15,9 +15,11 @@ from torch import nn
 
 from zerospeed.distributed.comm import Comm
 from zerospeed.sharding.slots import ParamInfo, Slot, even_split
-from zerospeed.zero.flat_param import OWNER
+from zerospeed.zero.contract import ParamOwner
 from zerospeed.zero.grads import GradBuckets, ReductionPolicy
 from zerospeed.zero.memory import storage_bytes
+from zerospeed.zero.owner import clear_owner, set_owner
+from zerospeed.zero.step_grads import StepGrads
 
 
 class ReplicatedState:
@@ -38,7 +40,7 @@ class ReplicatedState:
                                    policy=reduction)
         self.optimizer: torch.optim.Optimizer | None = None
         for i, p in enumerate(self.model_params):
-            setattr(p, OWNER, ReplicatedParamRef(self, i))
+            set_owner(p, ReplicatedParamRef(self, i))
 
     def adopt(self, optimizer: torch.optim.Optimizer) -> None:
         """Point the optimizer's groups at the fp32 masters (its state is still empty here)."""
@@ -66,10 +68,10 @@ class ReplicatedState:
         return True
 
     # -- step -------------------------------------------------------------------------------
-    def step_grads(self) -> list[torch.Tensor]:
+    def step_grads(self) -> StepGrads:
         """The averaged gradients, as flat tensors this rank may scale in place."""
         self.buckets.finish()
-        return self.buckets.flat_buffers()
+        return StepGrads.in_memory(self.buckets.flat_buffers())
 
     def sum_over_ranks(self, local: torch.Tensor) -> torch.Tensor:
         """Gradients are replicated after the all-reduce: the local value is already the global one."""
@@ -93,7 +95,20 @@ class ReplicatedState:
             p.grad = None
         self.buckets.zero()
 
+    def settle(self) -> None:
+        """The optimizer runs only inside :meth:`apply`: nothing in the background to wait for."""
+
     # -- memory -----------------------------------------------------------------------------
+    def offload_io(self) -> dict[str, float]:
+        """Nothing is offloaded at stage 0."""
+        return {"bytes_read": 0, "bytes_written": 0, "read_wait_s": 0.0, "write_wait_s": 0.0}
+
+    def describe_offload(self) -> str:
+        return "all state in memory on every rank (ZeRO stage 0)"
+
+    def release_all(self) -> None:
+        """Parameters are always whole at stage 0."""
+
     def resident_state(self, units: list[int] | None = None, write_back: bool = False) -> ContextManager[None]:
         """Everything is always in memory here."""
         return contextlib.nullcontext()
@@ -141,8 +156,11 @@ class ReplicatedState:
         """Every parameter's value, by name (already whole here)."""
         return ((name, p.detach()) for name, p in self.module.named_parameters())
 
-    def after_checkpoint_load(self) -> None:
-        """The masters were overwritten: copy them into the model and drop stale gradients."""
+    def after_checkpoint_load(self, units: Sequence[int] | None = None) -> None:
+        """The masters were overwritten: copy them into the model and drop stale gradients
+        (``units``: for symmetry with :class:`ShardedState`; must be None here)."""
+        if units is not None:
+            raise ValueError("ReplicatedState has no units: call after_checkpoint_load() without units")
         if self.master_params is not self.model_params:
             with torch.no_grad():
                 for master, model in zip(self.master_params, self.model_params, strict=True):
@@ -156,15 +174,15 @@ class ReplicatedState:
         """Unhook the model (a second ``initialize`` on it)."""
         self.remove_hooks()
         for p in self.model_params:
-            if getattr(p, OWNER, None) is not None:
-                delattr(p, OWNER)
+            clear_owner(p)
 
 
-class ReplicatedParamRef:
+class ReplicatedParamRef(ParamOwner):
     """A parameter's back-reference to the stage-0 state (masters, buckets, optimizer state)."""
 
     def __init__(self, state: ReplicatedState, index: int):
-        self.state, self.index = state, index
+        self.state: ReplicatedState = state
+        self.index = index
 
     def _master(self) -> torch.Tensor:
         return self.state.master_params[self.index]

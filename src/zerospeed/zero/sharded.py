@@ -23,7 +23,9 @@ from zerospeed.offload.nvme import RunDirectory, SlabLease, SwappedSlabs, itemsi
 from zerospeed.offload.store import StateStore
 from zerospeed.sharding.plan import ShardPlan
 from zerospeed.sharding.slots import ParamInfo, Slot
-from zerospeed.zero.flat_param import OWNER, FlatParamUnit, shape_of
+from zerospeed.zero.contract import ParamOwner
+from zerospeed.zero.flat_param import FlatParamUnit, shape_of
+from zerospeed.zero.owner import clear_owner, set_owner
 from zerospeed.zero.grads import ReductionPolicy
 from zerospeed.zero.layout import MIN_UNIT_ELEMS, UnitSpec, build_units, module_users
 from zerospeed.zero.memory import storage_bytes
@@ -100,7 +102,7 @@ class ShardedState:
             unit.master = self.zero_optimizer.masters[u]
             unit.master_resident = lambda u=u: self.resident_state([u], write_back=True)
             for i, p in enumerate(unit.params):
-                setattr(p, OWNER, UnitParamRef(self, u, i))
+                set_owner(p, UnitParamRef(self, u, i))
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -433,19 +435,19 @@ class ShardedState:
                 unit.gather()
                 for i, p in enumerate(unit.params):
                     p.data = unit.param_slice(unit.full, i).clone()
-                    if getattr(p, OWNER, None) is not None:
-                        delattr(p, OWNER)
+                    clear_owner(p)
 
 
 def offloads_optimizer(zero_cfg: Any) -> bool:
     return zero_cfg.offload_optimizer.device in (OffloadDevice.CPU, OffloadDevice.NVME)
 
 
-class UnitParamRef:
+class UnitParamRef(ParamOwner):
     """A parameter's back-reference to the ZeRO state that holds its shards."""
 
     def __init__(self, state: ShardedState, unit_index: int, index: int):
-        self.state, self.unit_index, self.index = state, unit_index, index
+        self.state: ShardedState = state
+        self.unit_index, self.index = unit_index, index
 
     @property
     def unit(self) -> FlatParamUnit:
