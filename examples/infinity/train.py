@@ -193,7 +193,7 @@ def summarize(args: argparse.Namespace, shape: Shape, engine: Any, records: list
     step_seconds = [sum(p["seconds"] for p in r["phases"].values()) for r in records]
     per_step = [{k: sum(p[k] for p in r["phases"].values()) for k in
                  ("bytes_read", "bytes_written", "read_wait_s", "write_wait_s")} for r in records]
-    timings = checkpointing.get_checkpointer().timings
+    timings = checkpointing.get_recomputer().timings
     peak = peak_rss_bytes()
     return {
         "mode": "in-memory" if args.in_memory else "nvme", "params": params,

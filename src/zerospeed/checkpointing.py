@@ -1,27 +1,27 @@
 """Activation checkpointing under DeepSpeed's module name (``deepspeed.checkpointing``).
 
 ``configure(...)`` then ``checkpoint(fn, *args)`` work as in DeepSpeed; they share one default
-:class:`~zerospeed.activation.Checkpointer`. Code that can should create its own
-``Checkpointer(CheckpointingSettings(...))`` rather than rely on that shared one.
+:class:`~zerospeed.activation.Recomputer`. Code that can should create its own
+``Recomputer(RecomputeSettings(...))`` rather than rely on that shared one.
 """
 
-from zerospeed.activation import Checkpointer, CheckpointingSettings, CheckpointTimings
+from zerospeed.activation import Recomputer, RecomputeSettings, RecomputeTimings
 from zerospeed.activation.compat import (
     checkpoint,
     configure,
-    get_checkpointer,
+    get_recomputer,
     is_configured,
     model_parallel_cuda_manual_seed,
     reset,
 )
 
 __all__ = [
-    "CheckpointTimings",
-    "Checkpointer",
-    "CheckpointingSettings",
+    "RecomputeTimings",
+    "Recomputer",
+    "RecomputeSettings",
     "checkpoint",
     "configure",
-    "get_checkpointer",
+    "get_recomputer",
     "is_configured",
     "model_parallel_cuda_manual_seed",
     "reset",

@@ -1,21 +1,22 @@
-"""Activation checkpointing: trade a recompute in backward for the memory of stored activations.
+"""Activation recompute (DeepSpeed calls it activation checkpointing; its public module is
+:mod:`zerospeed.checkpointing`): trade a recompute in backward for the memory of stored activations.
 
-The API is :class:`Checkpointer` (one per configuration); :mod:`zerospeed.checkpointing` adds
+The API is :class:`Recomputer` (one per configuration); :mod:`zerospeed.checkpointing` adds
 DeepSpeed's module-level ``configure``/``checkpoint`` on top of a default one.
 """
 
-from zerospeed.activation.checkpoint import (
-    CheckpointTimings,
-    Checkpointer,
+from zerospeed.activation.recompute import (
+    RecomputeTimings,
+    Recomputer,
     HostOffloadHooks,
     HostOffloadStats,
 )
-from zerospeed.activation.settings import CheckpointingSettings, SettingsSource
+from zerospeed.activation.settings import RecomputeSettings, SettingsSource
 
 __all__ = [
-    "CheckpointTimings",
-    "Checkpointer",
-    "CheckpointingSettings",
+    "RecomputeTimings",
+    "Recomputer",
+    "RecomputeSettings",
     "HostOffloadHooks",
     "HostOffloadStats",
     "SettingsSource",

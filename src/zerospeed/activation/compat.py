@@ -1,10 +1,10 @@
-"""``deepspeed.checkpointing``-style module functions, as a thin facade over one Checkpointer.
+"""``deepspeed.checkpointing``-style module functions, as a thin facade over one Recomputer.
 
 DeepSpeed (and Megatron code written for it) calls ``checkpointing.configure(...)`` once and
 ``checkpointing.checkpoint(fn, *args)`` anywhere, so the facade must remember a configuration
-between calls: that one default :class:`Checkpointer`, created lazily, is the only process-wide
+between calls: that one default :class:`Recomputer`, created lazily, is the only process-wide
 state here, and exists only for that compatibility. New code should hold its own
-``Checkpointer(settings)`` instead.
+``Recomputer(settings)`` instead.
 """
 
 from __future__ import annotations
@@ -14,43 +14,43 @@ from typing import Any
 
 import torch
 
-from zerospeed.activation.checkpoint import Checkpointer
-from zerospeed.activation.settings import CheckpointingSettings, SettingsSource
+from zerospeed.activation.recompute import Recomputer
+from zerospeed.activation.settings import RecomputeSettings, SettingsSource
 
 
-class _DefaultCheckpointer:
-    """Holder of the facade's Checkpointer (the one documented piece of module state)."""
+class _DefaultRecomputer:
+    """Holder of the facade's Recomputer (the one documented piece of module state)."""
 
     def __init__(self) -> None:
-        self.checkpointer: Checkpointer | None = None
+        self.recomputer: Recomputer | None = None
         self.configured = False
 
-    def get(self) -> Checkpointer:
-        if self.checkpointer is None:
-            self.checkpointer = Checkpointer()
-        return self.checkpointer
+    def get(self) -> Recomputer:
+        if self.recomputer is None:
+            self.recomputer = Recomputer()
+        return self.recomputer
 
 
-_DEFAULT = _DefaultCheckpointer()
+_DEFAULT = _DefaultRecomputer()
 
 
 def configure(mpu_: Any = None, deepspeed_config: SettingsSource | None = None,
               partition_activations: bool | None = None,
               contiguous_checkpointing: bool | None = None,
               num_checkpoints: int | None = None, checkpoint_in_cpu: bool | None = None,
-              synchronize: bool | None = None, profile: bool | None = None) -> Checkpointer:
+              synchronize: bool | None = None, profile: bool | None = None) -> Recomputer:
     """Set what :func:`checkpoint` does, with DeepSpeed's argument names.
 
     Starts from the defaults (each call replaces the previous configuration, as in DeepSpeed),
     then the ``activation_checkpointing`` section of ``deepspeed_config`` (dict, JSON path or
     parsed Config), then every explicit argument that is not ``None``. ``mpu_`` is accepted
     for compatibility and unused: it only serves ``partition_activations``, which is refused.
-    Returns the Checkpointer now behind the facade (its ``timings`` start at zero).
+    Returns the Recomputer now behind the facade (its ``timings`` start at zero).
     """
     del mpu_  # only model-parallel partitioning would use it
-    settings = CheckpointingSettings()
+    settings = RecomputeSettings()
     if deepspeed_config is not None:
-        settings = CheckpointingSettings.from_config(deepspeed_config)
+        settings = RecomputeSettings.from_config(deepspeed_config)
     settings = settings.overridden(
         partition_activations=partition_activations,
         contiguous_memory_optimization=contiguous_checkpointing,
@@ -59,9 +59,9 @@ def configure(mpu_: Any = None, deepspeed_config: SettingsSource | None = None,
         synchronize_checkpoint_boundary=synchronize,
         profile=profile,
     )
-    _DEFAULT.checkpointer = Checkpointer(settings)
+    _DEFAULT.recomputer = Recomputer(settings)
     _DEFAULT.configured = True
-    return _DEFAULT.checkpointer
+    return _DEFAULT.recomputer
 
 
 def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -75,8 +75,8 @@ def is_configured() -> bool:
     return _DEFAULT.configured
 
 
-def get_checkpointer() -> Checkpointer:
-    """The Checkpointer behind the facade, e.g. to read ``timings`` after ``profile=True``."""
+def get_recomputer() -> Recomputer:
+    """The Recomputer behind the facade, e.g. to read ``timings`` after ``profile=True``."""
     return _DEFAULT.get()
 
 
@@ -94,5 +94,5 @@ def model_parallel_cuda_manual_seed(seed: int) -> None:
     torch.manual_seed(seed)  # also seeds every CUDA device when CUDA is present
 
 
-__all__ = ["checkpoint", "configure", "get_checkpointer", "is_configured",
+__all__ = ["checkpoint", "configure", "get_recomputer", "is_configured",
            "model_parallel_cuda_manual_seed", "reset"]

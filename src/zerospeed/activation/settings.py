@@ -1,7 +1,7 @@
 """What activation checkpointing should do, as one immutable value.
 
 The fields carry the JSON names of DeepSpeed's ``activation_checkpointing`` section, so a
-config and a :class:`CheckpointingSettings` read the same. Settings are validated once, when
+config and a :class:`RecomputeSettings` read the same. Settings are validated once, when
 built, so a bad value fails where it is written rather than at the first backward.
 """
 
@@ -21,13 +21,13 @@ from zerospeed.config.translate import config_error
 
 SECTION = "activation_checkpointing"
 
-#: What :meth:`CheckpointingSettings.from_config` accepts.
+#: What :meth:`RecomputeSettings.from_config` accepts.
 SettingsSource = Union[Config, ActivationCheckpointingConfig, Mapping[str, Any], str,
                        "os.PathLike[str]"]
 
 
 @dataclass(frozen=True)
-class CheckpointingSettings:
+class RecomputeSettings:
     """Options of activation checkpointing (DeepSpeed's ``activation_checkpointing`` keys).
 
     * ``partition_activations``: split saved activations across model-parallel ranks. zerospeed
@@ -41,7 +41,7 @@ class CheckpointingSettings:
       (the model decides where to call ``checkpoint``).
     * ``synchronize_checkpoint_boundary``: synchronize the device before and after each
       checkpointed forward; synchronous devices (CPU) make this a no-op.
-    * ``profile``: time every checkpointed forward and recompute (see ``Checkpointer.timings``).
+    * ``profile``: time every checkpointed forward and recompute (see ``Recomputer.timings``).
     """
 
     partition_activations: bool = False
@@ -66,7 +66,7 @@ class CheckpointingSettings:
                 "partition_activations to false")
 
     @classmethod
-    def from_config(cls, source: SettingsSource) -> CheckpointingSettings:
+    def from_config(cls, source: SettingsSource) -> RecomputeSettings:
         """Settings from a DeepSpeed-style config: a dict, a JSON/hjson path, a base64 string,
         a parsed :class:`~zerospeed.config.Config` or just its ``activation_checkpointing`` section.
 
@@ -86,10 +86,10 @@ class CheckpointingSettings:
         return cls.from_section(parsed.activation_checkpointing)
 
     @classmethod
-    def from_section(cls, section: ActivationCheckpointingConfig) -> CheckpointingSettings:
+    def from_section(cls, section: ActivationCheckpointingConfig) -> RecomputeSettings:
         return cls(**{f.name: getattr(section, f.name) for f in dataclasses.fields(cls)})
 
-    def overridden(self, **overrides: Any) -> CheckpointingSettings:
+    def overridden(self, **overrides: Any) -> RecomputeSettings:
         """A copy with every override that is not ``None`` applied (``configure``'s rule)."""
         unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(self)})
         if unknown:

@@ -1,7 +1,7 @@
 """Activation checkpointing: recompute a function in backward instead of storing its activations.
 
 The recompute itself is PyTorch's non-reentrant ``torch.utils.checkpoint`` (non-tensor
-arguments and outputs, keyword arguments, RNG replay for dropout); a :class:`Checkpointer`
+arguments and outputs, keyword arguments, RNG replay for dropout); a :class:`Recomputer`
 adds what DeepSpeed's options ask for on top: host-resident checkpoint inputs
 (``cpu_checkpointing``), device synchronization at the boundary and per-call timings.
 """
@@ -17,13 +17,13 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 from zerospeed.accelerator import Accelerator, get_accelerator
-from zerospeed.activation.settings import CheckpointingSettings
+from zerospeed.activation.settings import RecomputeSettings
 
 _HOST = torch.device("cpu")
 
 
 @dataclass
-class CheckpointTimings:
+class RecomputeTimings:
     """Totals of ``profile``: seconds spent in checkpointed forwards and in their recomputes.
 
     A recompute that stops early (PyTorch stops once every needed tensor is rebuilt) counts the
@@ -92,24 +92,24 @@ class HostOffloadHooks:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
 
-class Checkpointer:
-    """Runs functions under activation checkpointing with one :class:`CheckpointingSettings`.
+class Recomputer:
+    """Runs functions under activation checkpointing with one :class:`RecomputeSettings`.
 
-    ``Checkpointer(settings).checkpoint(fn, *args, **kwargs)`` returns ``fn(*args, **kwargs)``;
+    ``Recomputer(settings).checkpoint(fn, *args, **kwargs)`` returns ``fn(*args, **kwargs)``;
     the activations inside ``fn`` are not kept but recomputed during backward, with the CPU and
     device RNG states of the forward restored so dropout draws the same masks. ``timings``
     (with ``profile``) and ``offload_stats`` (with ``cpu_checkpointing``) accumulate over calls.
     """
 
-    def __init__(self, settings: CheckpointingSettings | None = None, *,
+    def __init__(self, settings: RecomputeSettings | None = None, *,
                  accelerator: Accelerator | None = None) -> None:
-        if settings is not None and not isinstance(settings, CheckpointingSettings):
-            raise TypeError(f"settings: {type(settings).__name__} is not CheckpointingSettings; "
-                            "build one with CheckpointingSettings(...) or "
-                            "CheckpointingSettings.from_config(config)")
-        self.settings = settings if settings is not None else CheckpointingSettings()
+        if settings is not None and not isinstance(settings, RecomputeSettings):
+            raise TypeError(f"settings: {type(settings).__name__} is not RecomputeSettings; "
+                            "build one with RecomputeSettings(...) or "
+                            "RecomputeSettings.from_config(config)")
+        self.settings = settings if settings is not None else RecomputeSettings()
         self.accelerator = accelerator if accelerator is not None else get_accelerator()
-        self.timings = CheckpointTimings()
+        self.timings = RecomputeTimings()
         self.offload_stats = HostOffloadStats()
 
     def checkpoint(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

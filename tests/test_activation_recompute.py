@@ -13,9 +13,9 @@ from torch import nn
 
 import zerospeed.checkpointing as checkpointing
 from zerospeed.accelerator import Accelerator
-from zerospeed.activation import Checkpointer, CheckpointingSettings, HostOffloadHooks
+from zerospeed.activation import Recomputer, RecomputeSettings, HostOffloadHooks
 from zerospeed.activation import compat
-from zerospeed.activation.checkpoint import HostOffloadStats
+from zerospeed.activation.recompute import HostOffloadStats
 from zerospeed.config import ConfigError, load_config
 
 
@@ -64,9 +64,9 @@ def assert_all_equal(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
 
 @pytest.fixture
 def restore_facade() -> Iterator[None]:
-    saved = (compat._DEFAULT.checkpointer, compat._DEFAULT.configured)
+    saved = (compat._DEFAULT.recomputer, compat._DEFAULT.configured)
     yield
-    compat._DEFAULT.checkpointer, compat._DEFAULT.configured = saved
+    compat._DEFAULT.recomputer, compat._DEFAULT.configured = saved
 
 
 X = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))
@@ -75,7 +75,7 @@ X = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))
 def test_block_with_dropout_grads_bit_exact() -> None:
     model = make_model()
     plain = grads_of(model, X, seed=7, run=None)
-    ck = Checkpointer()
+    ck = Recomputer()
     assert_all_equal(grads_of(model, X, seed=7, run=ck.checkpoint), plain)
     # the dropout masks matter: another seed gives other gradients, so the parity above is real
     other = grads_of(model, X, seed=8, run=None)
@@ -85,7 +85,7 @@ def test_block_with_dropout_grads_bit_exact() -> None:
 def test_cpu_checkpointing_grads_equal_and_inputs_stay_on_host() -> None:
     model = make_model()
     plain = grads_of(model, X, seed=3, run=None)
-    ck = Checkpointer(CheckpointingSettings(cpu_checkpointing=True))
+    ck = Recomputer(RecomputeSettings(cpu_checkpointing=True))
     assert_all_equal(grads_of(model, X, seed=3, run=ck.checkpoint), plain)
     # one saved input per checkpointed layer, nothing copied since it already lives on the host
     assert ck.offload_stats == HostOffloadStats(tensors=3, bytes=3 * X.numel() * 4, copied_bytes=0)
@@ -109,7 +109,7 @@ def test_non_tensor_args_and_outputs() -> None:
         out = torch.tanh(lin(h)) * shape[1] if flag else lin(h)
         return out, shape[0] + 1, "done"
 
-    out, n, tag = Checkpointer().checkpoint(fn, x, True, (4, 0.5))
+    out, n, tag = Recomputer().checkpoint(fn, x, True, (4, 0.5))
     assert (n, tag) == (5, "done")
     out.sum().backward()
     got = [x.grad.clone(), lin.weight.grad.clone()]
@@ -129,7 +129,7 @@ def test_kwargs_with_tensors_and_torch_keyword_names() -> None:
 
     x = torch.randn(3, 4, requires_grad=True)
     scale = torch.randn(4, requires_grad=True)
-    ck = Checkpointer(CheckpointingSettings(cpu_checkpointing=True))
+    ck = Recomputer(RecomputeSettings(cpu_checkpointing=True))
     ck.checkpoint(fn, x, scale=scale, debug=True).pow(2).sum().backward()
     got = [x.grad.clone(), scale.grad.clone()]
     assert seen == [True, True]  # forward and recompute
@@ -150,7 +150,7 @@ def test_several_tensor_outputs() -> None:
     def loss(outs: tuple[torch.Tensor, ...]) -> torch.Tensor:
         return outs[0].sum() + 2 * outs[1].square().sum() - outs[2]
 
-    loss(Checkpointer().checkpoint(fn, x)).backward()
+    loss(Recomputer().checkpoint(fn, x)).backward()
     got = [x.grad.clone(), lin.weight.grad.clone(), lin.bias.grad.clone()]
     x.grad = lin.weight.grad = lin.bias.grad = None
     loss(fn(x)).backward()
@@ -173,7 +173,7 @@ def saved_activation_bytes(model: nn.Sequential, x: torch.Tensor, segment: int |
         if segment is None:
             h = model(h)
         else:
-            ck = Checkpointer()
+            ck = Recomputer()
             for start in range(0, len(layers), segment):
                 h = ck.checkpoint(nn.Sequential(*layers[start:start + segment]), h)
     h.sum().backward()
@@ -196,12 +196,12 @@ def test_checkpointing_saves_far_fewer_activation_bytes() -> None:
 
 def test_profile_counts_forwards_and_recomputes() -> None:
     model = make_model()
-    ck = Checkpointer(CheckpointingSettings(profile=True))
+    ck = Recomputer(RecomputeSettings(profile=True))
     grads_of(model, X, seed=1, run=ck.checkpoint)
     t = ck.timings
     assert (t.forward_calls, t.recompute_calls) == (3, 3)
     assert t.forward_seconds > 0 and t.recompute_seconds > 0
-    unprofiled = Checkpointer()
+    unprofiled = Recomputer()
     grads_of(model, X, seed=1, run=unprofiled.checkpoint)
     assert unprofiled.timings.forward_calls == 0
     with torch.no_grad():
@@ -220,10 +220,10 @@ class CountingAccelerator(Accelerator):
 def test_synchronize_checkpoint_boundary_syncs_before_and_after() -> None:
     lin = nn.Linear(4, 4)
     on = CountingAccelerator("cpu")
-    Checkpointer(CheckpointingSettings(synchronize_checkpoint_boundary=True),
+    Recomputer(RecomputeSettings(synchronize_checkpoint_boundary=True),
                  accelerator=on).checkpoint(lin, torch.randn(2, 4))
     off = CountingAccelerator("cpu")
-    Checkpointer(accelerator=off).checkpoint(lin, torch.randn(2, 4))
+    Recomputer(accelerator=off).checkpoint(lin, torch.randn(2, 4))
     assert (on.calls, off.calls) == (["sync", "sync"], [])
 
 
@@ -235,8 +235,8 @@ DS_CONFIG = {"train_batch_size": 8,
 def test_configure_from_dict_with_overrides(restore_facade: None) -> None:
     ck = checkpointing.configure(None, deepspeed_config=DS_CONFIG, num_checkpoints=2,
                                  profile=False, synchronize=True)
-    assert checkpointing.is_configured() and checkpointing.get_checkpointer() is ck
-    assert ck.settings == CheckpointingSettings(
+    assert checkpointing.is_configured() and checkpointing.get_recomputer() is ck
+    assert ck.settings == RecomputeSettings(
         cpu_checkpointing=True, number_checkpoints=2, profile=False,
         contiguous_memory_optimization=True, synchronize_checkpoint_boundary=True)
     lin = nn.Linear(4, 4)
@@ -244,29 +244,29 @@ def test_configure_from_dict_with_overrides(restore_facade: None) -> None:
     assert ck.offload_stats.tensors == 1
     # every configure starts again from the defaults, as DeepSpeed's does
     reconfigured = checkpointing.configure(None, checkpoint_in_cpu=False)
-    assert reconfigured.settings == CheckpointingSettings()
+    assert reconfigured.settings == RecomputeSettings()
 
 
 def test_configure_from_path_and_parsed_config(restore_facade: None, tmp_path: Any) -> None:
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(DS_CONFIG))
-    want = CheckpointingSettings(cpu_checkpointing=True, number_checkpoints=4, profile=True,
+    want = RecomputeSettings(cpu_checkpointing=True, number_checkpoints=4, profile=True,
                                  contiguous_memory_optimization=True)
     assert checkpointing.configure(None, deepspeed_config=str(path)).settings == want
     assert checkpointing.configure(None, deepspeed_config=load_config(DS_CONFIG)).settings == want
     # only the section is read: a config without batch sizes is fine here
     no_batch = {"activation_checkpointing": DS_CONFIG["activation_checkpointing"]}
-    assert CheckpointingSettings.from_config(no_batch) == want
+    assert RecomputeSettings.from_config(no_batch) == want
 
 
 def test_bad_config_values_are_named() -> None:
     with pytest.raises(ConfigError, match=r"activation_checkpointing.cpu_checkpointin: unknown "
                                           r"key; did you mean cpu_checkpointing"):
-        CheckpointingSettings.from_config({"activation_checkpointing": {"cpu_checkpointin": True}})
+        RecomputeSettings.from_config({"activation_checkpointing": {"cpu_checkpointin": True}})
     with pytest.raises(ValueError, match=r"number_checkpoints: 0 is out of range"):
-        CheckpointingSettings(number_checkpoints=0)
+        RecomputeSettings(number_checkpoints=0)
     with pytest.raises(TypeError, match=r"activation_checkpointing.profile: 'yes' is not a bool"):
-        CheckpointingSettings(profile="yes")  # type: ignore[arg-type]
+        RecomputeSettings(profile="yes")  # type: ignore[arg-type]
 
 
 def test_partition_activations_is_refused_by_name(restore_facade: None) -> None:
@@ -277,14 +277,14 @@ def test_partition_activations_is_refused_by_name(restore_facade: None) -> None:
         checkpointing.configure(None, deepspeed_config={
             "activation_checkpointing": {"partition_activations": True}})
     assert checkpointing.configure(None, partition_activations=False).settings == \
-        CheckpointingSettings()
+        RecomputeSettings()
 
 
 def test_user_errors() -> None:
     with pytest.raises(TypeError, match=r"function: 3 is not callable"):
-        Checkpointer().checkpoint(3, torch.ones(1))  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"settings: dict is not CheckpointingSettings"):
-        Checkpointer({"profile": True})  # type: ignore[arg-type]
+        Recomputer().checkpoint(3, torch.ones(1))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"settings: dict is not RecomputeSettings"):
+        Recomputer({"profile": True})  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"seed: 1.5 is not an int"):
         checkpointing.model_parallel_cuda_manual_seed(1.5)  # type: ignore[arg-type]
 
@@ -303,7 +303,7 @@ def _engine_configures_checkpointing() -> list[Any]:
     config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
               "activation_checkpointing": {"cpu_checkpointing": True, "profile": True}}
     zerospeed.initialize(model=torch.nn.Linear(3, 3), config=config)
-    settings = checkpointing.get_checkpointer().settings
+    settings = checkpointing.get_recomputer().settings
     out: list[Any] = [settings.cpu_checkpointing, settings.profile]
     try:
         zerospeed.initialize(model=torch.nn.Linear(3, 3),
