@@ -97,7 +97,7 @@ def _train(accum: int) -> list[torch.Tensor]:
     assert opt is engine.optimizer and isinstance(opt, torch.optim.AdamW) and opt.cur_scale == 1.0
     assert opt.param_groups[0]["lr"] == engine.get_lr()[0]
     reference = _reference(world, accum)
-    for got, expected in zip(engine.module.parameters(), reference):
+    for got, expected in zip(engine.module.parameters(), reference, strict=True):
         torch.testing.assert_close(got.detach(), expected, rtol=0, atol=1e-5)
     return [float(engine.get_global_grad_norm())]
 
@@ -133,9 +133,10 @@ def _overflow_on_one_rank() -> dict:
         engine.step()
         if step == 1:
             out["applied"] = engine.was_step_applied()
-            out["params_kept"] = all(torch.equal(a, b.detach()) for a, b in zip(before, engine.module.parameters()))
+            out["params_kept"] = all(torch.equal(a, b.detach())
+                                     for a, b in zip(before, engine.module.parameters(), strict=True))
             out["state_kept"] = all(torch.equal(v, torch.as_tensor(opt.state[p][k]))
-                                    for a, p in zip(state_before, opt.param_groups[0]["params"])
+                                    for a, p in zip(state_before, opt.param_groups[0]["params"], strict=True)
                                     for k, v in a.items())
             out["lr_kept"] = engine.get_lr() == lr_before
             out["scale"] = (scale_before, engine.optimizer.cur_scale)
@@ -214,7 +215,7 @@ def _train_from_config(optimizer_section: dict, accum: int) -> None:
         factory = lambda p: torch.optim.SGD(p, **params)  # noqa: E731
     else:
         factory = lambda p: Lamb(p, **params)  # noqa: E731
-    for got, expected in zip(engine.module.parameters(), _reference_with(factory, world, accum)):
+    for got, expected in zip(engine.module.parameters(), _reference_with(factory, world, accum), strict=True):
         torch.testing.assert_close(got.detach(), expected, rtol=0, atol=1e-5)
 
 
@@ -254,7 +255,7 @@ def test_bf16_and_fp16_track_fp32_within_2_percent() -> None:
     fp32 = run_distributed(_losses, 2, "fp32")[0]
     for precision in ("bf16", "fp16"):
         low = run_distributed(_losses, 2, precision)[0]
-        worst = max(abs(a - b) / b for a, b in zip(low, fp32))
+        worst = max(abs(a - b) / b for a, b in zip(low, fp32, strict=True))
         assert worst < 0.02, f"{precision} strays {worst:.1%} from fp32"
     assert fp32[-1] < fp32[0] * 0.5
 
@@ -316,7 +317,7 @@ def _no_sync_then_sync(accum: int) -> None:
             with context:
                 engine.backward(nn.functional.mse_loss(engine(x[rows]), y[rows]))
             engine.step()
-    for got, expected in zip(engine.module.parameters(), _reference(world, accum)):
+    for got, expected in zip(engine.module.parameters(), _reference(world, accum), strict=True):
         torch.testing.assert_close(got.detach(), expected, rtol=0, atol=1e-5)
 
 
@@ -377,7 +378,7 @@ def _tied_frozen() -> None:
         nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.requires_grad], 1.0)
         opt.step()
         opt.zero_grad()
-    for (name, got), expected in zip(engine.module.named_parameters(), ref.parameters()):
+    for (name, got), expected in zip(engine.module.named_parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(got.detach(), expected.detach(), rtol=0, atol=1e-5, msg=name)
     assert torch.equal(engine.module.frozen.weight, ref.frozen.weight)  # never updated
 

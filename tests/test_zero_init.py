@@ -83,7 +83,7 @@ def _init_cases() -> dict:
         out[f"losses_{stage}"] = (_train(engine, 3), _train(twin, 3))
         with zerospeed.zero.GatheredParameters(list(built.parameters()) + list(twin.module.parameters())):
             out[f"params_equal_{stage}"] = all(torch.equal(a, b) for a, b in
-                                               zip(built.parameters(), twin.module.parameters()))
+                                               zip(built.parameters(), twin.module.parameters(), strict=True))
     # modifier_rank: rank 1's in-place edit becomes every rank's shard and fp32 master
     engine, *_ = zerospeed.initialize(model=Net(), config=_config(3, lr=0.0))
     target = engine.module.blocks[1].fc.weight

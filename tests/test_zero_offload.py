@@ -70,7 +70,7 @@ def _train(config: dict[str, Any]) -> dict[str, Any]:
     return {"losses": losses, "masters": torch.cat(masters).tolist(), "params": torch.cat(params).tolist(),
             "optimizer": type(optimizer).__name__, "early_jobs": state.eager.jobs_run,
             "early_during_backward": state.eager.jobs_during_backward,
-            "offloaded_elems": sum(u.plan.shard_numel for u, t in zip(state.units, tiers) if t == "cpu"),
+            "offloaded_elems": sum(u.plan.shard_numel for u, t in zip(state.units, tiers, strict=True) if t == "cpu"),
             "elems": sum(u.plan.shard_numel for u in state.units),
             "param_tiers": sorted({"cpu" if u.shard.device.type == "cpu" and not u.persistent else "device"
                                    for u in state.units}),
