@@ -10,19 +10,17 @@ from torch import nn
 
 import zerospeed
 from zerospeed.testing import log_messages, run_distributed
+from zerospeed.testing.data import micro_batch_rows
+from zerospeed.testing.models import TanhMLP
+from zerospeed.testing.reference import train_reference
 
 MICRO = 2
 STEPS = 5
 
 
-class Net(nn.Module):
+class Net(TanhMLP):
     def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(6, 11)
-        self.b = nn.Linear(11, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.tanh(self.a(x)))
+        super().__init__(6, 11, 3)
 
 
 def _config(world: int, accum: int) -> dict:
@@ -43,8 +41,20 @@ def _data(world: int, accum: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _rows(step: int, rank: int, micro_step: int, world: int, accum: int) -> slice:
     """Rows of the shared data set that ``rank`` trains on in micro-step ``micro_step`` of ``step``."""
-    start = step * world * accum * MICRO + (rank * accum + micro_step) * MICRO
-    return slice(start, start + MICRO)
+    return micro_batch_rows(step, rank, micro_step, world=world, accum=accum, micro=MICRO)
+
+
+def _plain_reference(model: nn.Module, opt: torch.optim.Optimizer, world: int, accum: int,
+                     sched: torch.optim.lr_scheduler.LRScheduler | None = None) -> None:
+    """Plain single-process PyTorch on the same global batches (MSE, clipping at 1.0)."""
+    x, y = _data(world, accum)
+
+    def batch(step: int, rank: int, micro_step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = _rows(step, rank, micro_step, world, accum)
+        return x[rows], y[rows]
+
+    train_reference(model, opt, batch=batch, loss_fn=nn.functional.mse_loss, steps=STEPS, world=world, accum=accum,
+                    clip=1.0, scheduler=sched)
 
 
 def _reference_with(opt_factory, world: int, accum: int, sched_factory=None) -> list[torch.Tensor]:
@@ -52,18 +62,7 @@ def _reference_with(opt_factory, world: int, accum: int, sched_factory=None) -> 
     torch.manual_seed(0)
     model = Net()
     opt = opt_factory(model.parameters())
-    sched = sched_factory(opt) if sched_factory is not None else None
-    x, y = _data(world, accum)
-    for step in range(STEPS):
-        for r in range(world):
-            for m in range(accum):
-                rows = _rows(step, r, m, world, accum)
-                (nn.functional.mse_loss(model(x[rows]), y[rows]) / accum / world).backward()
-        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        if sched is not None:
-            sched.step()
+    _plain_reference(model, opt, world, accum, sched_factory(opt) if sched_factory is not None else None)
     return [p.detach() for p in model.parameters()]
 
 
@@ -370,14 +369,8 @@ def _tied_frozen() -> None:
         engine.step()
     torch.manual_seed(0)
     ref = TiedFrozen()
-    opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
-    for step in range(STEPS):
-        for r in range(world):
-            rows = _rows(step, r, 0, world, 1)
-            (nn.functional.mse_loss(ref(x[rows]), y[rows]) / world).backward()
-        nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.requires_grad], 1.0)
-        opt.step()
-        opt.zero_grad()
+    _plain_reference(ref, torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1, momentum=0.9),
+                     world, 1)
     for (name, got), expected in zip(engine.module.named_parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(got.detach(), expected.detach(), rtol=0, atol=1e-5, msg=name)
     assert torch.equal(engine.module.frozen.weight, ref.frozen.weight)  # never updated
