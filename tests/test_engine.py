@@ -143,6 +143,7 @@ def _overflow_on_one_rank() -> dict:
     return out
 
 
+@pytest.mark.smoke
 def test_an_inf_on_one_rank_skips_the_step_everywhere() -> None:
     for result in run_distributed(_overflow_on_one_rank, 2):
         # as in DeepSpeed, a skipped step still counts in global_steps
@@ -376,5 +377,6 @@ def _tied_frozen() -> None:
     assert torch.equal(engine.module.frozen.weight, ref.frozen.weight)  # never updated
 
 
+@pytest.mark.smoke
 def test_tied_and_frozen_parameters_match_the_reference() -> None:
     run_distributed(_tied_frozen, 2)

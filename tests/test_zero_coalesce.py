@@ -134,7 +134,8 @@ def test_stage3_keeps_one_unit_per_block(results: dict) -> None:
     assert [got["units"] for got in results["s3"]] == [2 + BLOCKS] * WORLD
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.smoke) if name == "s2 default buckets" else name
+                                  for name in CASES])  # smoke: a quick 2-rank stage-2 parity case
 def test_coalesced_units_train_like_plain_pytorch(results: dict, name: str) -> None:
     reference = _reference()
     for rank, got in enumerate(results[name]):
