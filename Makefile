@@ -19,12 +19,14 @@ $(STAMP): pyproject.toml Makefile setup.py src/zerospeed/ops/csrc/cpu_optim.c
 demo: install
 	$(BIN)/zerospeed --num_procs 2 examples/demo.py
 
+# --durations: the slowest tests, so a test that grows slow is seen at once.
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
-# The inner loop (about 20 s): every test in a module that starts no process (see tests/conftest.py).
+# The inner loop (well under 2 minutes): every test in a module that starts no process, plus the few
+# quick 2-rank tests marked smoke (see tests/conftest.py).
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not spawns"
+	$(BIN)/python -m pytest -q --durations=5 -m "not spawns or smoke"
 
 # ZeRO-Infinity: a ~2.5B-parameter GPT whose training state is > 1.5 x RAM, on NVMe (~45 GB of swap files
 # under the temp dir, about 10 minutes); see examples/infinity/README.md.

@@ -1,8 +1,11 @@
-"""Test selection: ``make test-fast`` runs what needs no extra process (``-m "not spawns"``).
+"""Test selection: ``make test-fast`` runs what needs no extra process plus a few smoke tests
+(``-m "not spawns or smoke"``).
 
 A test module whose source names a way to start processes (the gloo harness ``run_distributed``,
 ``subprocess`` for the launcher, a benchmark or an example script; imported at the top or inside a
-test) has all its tests marked ``spawns``; such tests are most of the suite's time.
+test) has all its tests marked ``spawns``; such tests are most of the suite's time. A handful of quick
+2-rank tests are also marked ``smoke`` (in their modules) so the fast lane still runs real ranks:
+a stage-2 parity case, a checkpoint round trip, a skipped step agreed across ranks.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ _SPAWNING_NAMES = ("run_distributed", "subprocess")
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "spawns: starts processes (ranks, the launcher, scripts); "
-                                       "left out by make test-fast")
+                                       "left out by make test-fast unless also marked smoke")
+    config.addinivalue_line("markers", "smoke: a quick multi-rank test make test-fast runs although it spawns")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -58,7 +58,7 @@ def grads_of(model: nn.Module, x: torch.Tensor, seed: int,
 
 def assert_all_equal(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
     assert len(got) == len(want)
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b), (a - b).abs().max()
 
 
@@ -79,7 +79,7 @@ def test_block_with_dropout_grads_bit_exact() -> None:
     assert_all_equal(grads_of(model, X, seed=7, run=ck.checkpoint), plain)
     # the dropout masks matter: another seed gives other gradients, so the parity above is real
     other = grads_of(model, X, seed=8, run=None)
-    assert not all(torch.equal(a, b) for a, b in zip(other, plain))
+    assert not all(torch.equal(a, b) for a, b in zip(other, plain, strict=True))
 
 
 def test_cpu_checkpointing_grads_equal_and_inputs_stay_on_host() -> None:

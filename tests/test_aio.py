@@ -100,19 +100,19 @@ def test_many_requests_in_flight_share_one_file_without_truncating(aio, tmp_path
     sizes = [1, 5000, 3, 70_000, 4096, 123_457, 2, 300_000]
     srcs = [random_tensor(n, torch.uint8, seed=n) for n in sizes]
     offsets = [sum(sizes[:i]) + 7 * i for i in range(len(sizes))]  # unaligned, with gaps
-    for src, off in zip(srcs, offsets):
+    for src, off in zip(srcs, offsets, strict=True):
         assert aio.async_pwrite(src, path, off) == 0
     assert aio.wait() == len(srcs)
     assert aio.wait() == 0  # nothing left
     data = path.read_bytes()
     assert len(data) == offsets[-1] + sizes[-1]
-    for src, off in zip(srcs, offsets):
+    for src, off in zip(srcs, offsets, strict=True):
         assert data[off:off + src.numel()] == src.numpy().tobytes()
     dsts = [torch.empty_like(s) for s in srcs]
-    for dst, off in zip(reversed(dsts), reversed(offsets)):
+    for dst, off in zip(reversed(dsts), reversed(offsets), strict=True):
         aio.async_pread(dst, path, off)
     assert aio.wait() == len(srcs)
-    assert all(same_bits(s, d) for s, d in zip(srcs, dsts))
+    assert all(same_bits(s, d) for s, d in zip(srcs, dsts, strict=True))
 
 
 @pytest.mark.parametrize("mode", [{}, {"single_submit": True}, {"overlap_events": False},
@@ -127,7 +127,7 @@ def test_many_files_in_flight_in_every_mode(tmp_path, mode):
         for i, dst in enumerate(dsts):
             aio.async_pread(dst, tmp_path / f"{i}.bin", 0)
         assert aio.wait() == len(srcs)
-    assert all(same_bits(s, d) for s, d in zip(srcs, dsts))
+    assert all(same_bits(s, d) for s, d in zip(srcs, dsts, strict=True))
 
 
 def test_o_direct_is_used_zero_copy_for_aligned_tensors(tmp_path, monkeypatch):

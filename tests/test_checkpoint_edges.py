@@ -138,6 +138,7 @@ def test_a_load_failing_on_one_rank_fails_on_all_naming_it(two_ranks: list[dict[
     assert "failed on other ranks" in two_ranks[0]["damaged"] and "rank 1" in two_ranks[0]["damaged"]
 
 
+@pytest.mark.smoke  # a 2-rank stage-3 save and load
 def test_tied_weights_load_into_the_other_registration_order(two_ranks: list[dict[str, Any]]) -> None:
     result = two_ranks[0]
     saved, loaded = result["tied_saved"], result["tied"]

@@ -22,33 +22,31 @@ from torch import nn
 
 import zerospeed
 from zerospeed.testing import log_messages, run_distributed
+from zerospeed.testing.configs import adamw, train_config, zero_section
+from zerospeed.testing.data import seeded_regression_batch
+from zerospeed.testing.models import seeded_mlp
 from zerospeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
 BEFORE, AFTER = 2, 2  # steps before the save, steps after it
 
 
 def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(12, 24), nn.GELU(), nn.Linear(24, 24), nn.GELU(), nn.Linear(24, 5))
+    return seeded_mlp(12, 24, 24, 5)
 
 
 def _config(root: str, optimizer: str, params_on_nvme: bool = False) -> dict[str, Any]:
-    zero: dict[str, Any] = {"stage": 3, "reduce_bucket_size": 200, "stage3_param_persistence_threshold": 10,
-                            "offload_optimizer": {"device": optimizer, **({"nvme_path": root} if optimizer == "nvme"
-                                                                        else {})}}
+    zero = zero_section(3, reduce_bucket_size=200, persistence_threshold=10,
+                        offload_optimizer={"device": optimizer, **({"nvme_path": root} if optimizer == "nvme" else {})})
     if params_on_nvme:
         zero["offload_param"] = {"device": "nvme", "nvme_path": root, "max_in_cpu": 0}
-    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
-            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
-            "zero_optimization": zero, "aio": {"block_size": 4096, "queue_depth": 4}}
+    return train_config(micro=2, optimizer=adamw(3e-3), zero=zero, aio={"block_size": 4096, "queue_depth": 4})
 
 
 def _train(engine: Any, steps: range) -> list[float]:
     rank = torch.distributed.get_rank()
     losses = []
     for step in steps:
-        g = torch.Generator().manual_seed(100 * step + rank)
-        x, y = torch.randn(2, 12, generator=g), torch.randn(2, 5, generator=g)
+        x, y = seeded_regression_batch(step, rank, rows=2, inputs=12, outputs=5)
         loss = (engine(x) - y).pow(2).mean()
         engine.backward(loss)
         engine.step()

@@ -26,6 +26,7 @@ from torch import nn
 import zerospeed
 from zerospeed.checkpoint import get_fp32_state_dict
 from zerospeed.testing import run_distributed
+from zerospeed.testing.reference import train_reference
 from zerospeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
 VOCAB, DIM, SEQ, ODD = 13, 12, 4, 53
@@ -181,22 +182,19 @@ def _reference() -> dict[str, Any]:
     opt = torch.optim.AdamW(trainable, **ADAMW)
     sched = WarmupLR(opt, **WARMUP)
     names = {id(p): n for n, p in model.named_parameters()}
-    out: dict[str, Any] = {"losses": []}
-    for step in range(STEPS):
-        ids, targets = _batch(step)
-        loss = _loss(model(ids), targets)
-        loss.backward()
-        nn.utils.clip_grad_norm_(trainable, 1.0)
-        opt.step()
-        opt.zero_grad()
-        sched.step()
-        out["losses"].append(loss.item())
+    out: dict[str, Any] = {}
+
+    def snapshot(step: int) -> None:
         if step + 1 in (SAVE_AT, STEPS):
             snap = {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
                     "lr": [g["lr"] for g in opt.param_groups]}
             for key in STATE_KEYS:
                 snap[key] = {names[id(p)]: opt.state[p][key].clone() for p in trainable}
             out[f"after {step + 1}"] = snap
+
+    run = train_reference(model, opt, batch=lambda step, _rank, _micro: _batch(step), loss_fn=_loss, steps=STEPS,
+                          clip=1.0, scheduler=sched, after_step=snapshot)
+    out["losses"] = run.losses[0]
     return out
 
 

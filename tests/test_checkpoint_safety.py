@@ -36,6 +36,8 @@ from zerospeed.checkpoint import layout
 from zerospeed.checkpoint.layout import CheckpointError
 from zerospeed.testing import run_distributed
 from zerospeed.testing.dist import RankFailed
+from zerospeed.testing.data import seeded_regression_batch
+from zerospeed.testing.models import seeded_mlp
 
 STEP_N, STEP_M = 2, 4  # the good checkpoint, and the one whose save is killed
 SAME_TAG = "same"  # the overwrite case saves both steps under this tag
@@ -43,8 +45,7 @@ KILL_POINTS = ("tensor_file", "rank_state", "manifest", "before_rename", "overwr
 
 
 def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    return seeded_mlp(6, 16, 3, activation=nn.Tanh)
 
 
 def _config(stage: int, **extra: Any) -> dict:
@@ -61,8 +62,7 @@ def _engine(stage: int, **extra: Any) -> zerospeed.Engine:
 def _train(engine: zerospeed.Engine, steps: int) -> None:
     """Steps whose data depend only on the global step and the rank, so a resumed run sees the same."""
     for _ in range(steps):
-        gen = torch.Generator().manual_seed(100 * engine.global_steps + engine.comm.rank)
-        x, y = torch.randn(2, 6, generator=gen), torch.randn(2, 3, generator=gen)
+        x, y = seeded_regression_batch(engine.global_steps, engine.comm.rank, rows=2, inputs=6, outputs=3)
         engine.backward(nn.functional.mse_loss(engine(x), y))
         engine.step()
 

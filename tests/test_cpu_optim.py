@@ -96,16 +96,16 @@ def test_matches_the_reference_for_every_size_and_copy_out(case: str, implementa
     ref = make_ref(ref_params) if make_ref is not None else _no_bias_correction_reference(ref_params)
     outs = [torch.empty(n, dtype=torch.bfloat16 if i % 2 else torch.float16) for i, n in enumerate(SIZES)]
     for step in range(STEPS):
-        for a, b in zip(ours_params, ref_params):
+        for a, b in zip(ours_params, ref_params, strict=True):
             grad = torch.randn(a.shape) * (1 + step % 3)
             a.grad, b.grad = grad.clone(), grad.clone()
         copy_out = step % 2 == 1  # with and without the copy-out
         ours.step(fp16_param_groups=[outs[:2], outs[2:]] if copy_out else None)
         ref.step()
         if copy_out:
-            for p, out in zip(ours_params, outs):
+            for p, out in zip(ours_params, outs, strict=True):
                 assert torch.equal(out, p.detach().to(out.dtype)), f"{case}: copy-out differs from the cast"
-    for n, a, b in zip(SIZES, ours_params, ref_params):
+    for n, a, b in zip(SIZES, ours_params, ref_params, strict=True):
         scale = b.detach().abs().max().clamp_min(1e-30)
         assert ((a - b).abs().max() / scale).item() <= 1e-6, f"{case} n={n}: {((a - b).abs().max() / scale).item():.2e}"
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * scale.item())

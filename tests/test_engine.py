@@ -10,19 +10,17 @@ from torch import nn
 
 import zerospeed
 from zerospeed.testing import log_messages, run_distributed
+from zerospeed.testing.data import micro_batch_rows
+from zerospeed.testing.models import TanhMLP
+from zerospeed.testing.reference import train_reference
 
 MICRO = 2
 STEPS = 5
 
 
-class Net(nn.Module):
+class Net(TanhMLP):
     def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(6, 11)
-        self.b = nn.Linear(11, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.tanh(self.a(x)))
+        super().__init__(6, 11, 3)
 
 
 def _config(world: int, accum: int) -> dict:
@@ -43,8 +41,20 @@ def _data(world: int, accum: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _rows(step: int, rank: int, micro_step: int, world: int, accum: int) -> slice:
     """Rows of the shared data set that ``rank`` trains on in micro-step ``micro_step`` of ``step``."""
-    start = step * world * accum * MICRO + (rank * accum + micro_step) * MICRO
-    return slice(start, start + MICRO)
+    return micro_batch_rows(step, rank, micro_step, world=world, accum=accum, micro=MICRO)
+
+
+def _plain_reference(model: nn.Module, opt: torch.optim.Optimizer, world: int, accum: int,
+                     sched: torch.optim.lr_scheduler.LRScheduler | None = None) -> None:
+    """Plain single-process PyTorch on the same global batches (MSE, clipping at 1.0)."""
+    x, y = _data(world, accum)
+
+    def batch(step: int, rank: int, micro_step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = _rows(step, rank, micro_step, world, accum)
+        return x[rows], y[rows]
+
+    train_reference(model, opt, batch=batch, loss_fn=nn.functional.mse_loss, steps=STEPS, world=world, accum=accum,
+                    clip=1.0, scheduler=sched)
 
 
 def _reference_with(opt_factory, world: int, accum: int, sched_factory=None) -> list[torch.Tensor]:
@@ -52,18 +62,7 @@ def _reference_with(opt_factory, world: int, accum: int, sched_factory=None) -> 
     torch.manual_seed(0)
     model = Net()
     opt = opt_factory(model.parameters())
-    sched = sched_factory(opt) if sched_factory is not None else None
-    x, y = _data(world, accum)
-    for step in range(STEPS):
-        for r in range(world):
-            for m in range(accum):
-                rows = _rows(step, r, m, world, accum)
-                (nn.functional.mse_loss(model(x[rows]), y[rows]) / accum / world).backward()
-        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        if sched is not None:
-            sched.step()
+    _plain_reference(model, opt, world, accum, sched_factory(opt) if sched_factory is not None else None)
     return [p.detach() for p in model.parameters()]
 
 
@@ -97,7 +96,7 @@ def _train(accum: int) -> list[torch.Tensor]:
     assert opt is engine.optimizer and isinstance(opt, torch.optim.AdamW) and opt.cur_scale == 1.0
     assert opt.param_groups[0]["lr"] == engine.get_lr()[0]
     reference = _reference(world, accum)
-    for got, expected in zip(engine.module.parameters(), reference):
+    for got, expected in zip(engine.module.parameters(), reference, strict=True):
         torch.testing.assert_close(got.detach(), expected, rtol=0, atol=1e-5)
     return [float(engine.get_global_grad_norm())]
 
@@ -133,9 +132,10 @@ def _overflow_on_one_rank() -> dict:
         engine.step()
         if step == 1:
             out["applied"] = engine.was_step_applied()
-            out["params_kept"] = all(torch.equal(a, b.detach()) for a, b in zip(before, engine.module.parameters()))
+            out["params_kept"] = all(torch.equal(a, b.detach())
+                                     for a, b in zip(before, engine.module.parameters(), strict=True))
             out["state_kept"] = all(torch.equal(v, torch.as_tensor(opt.state[p][k]))
-                                    for a, p in zip(state_before, opt.param_groups[0]["params"])
+                                    for a, p in zip(state_before, opt.param_groups[0]["params"], strict=True)
                                     for k, v in a.items())
             out["lr_kept"] = engine.get_lr() == lr_before
             out["scale"] = (scale_before, engine.optimizer.cur_scale)
@@ -143,6 +143,7 @@ def _overflow_on_one_rank() -> dict:
     return out
 
 
+@pytest.mark.smoke
 def test_an_inf_on_one_rank_skips_the_step_everywhere() -> None:
     for result in run_distributed(_overflow_on_one_rank, 2):
         # as in DeepSpeed, a skipped step still counts in global_steps
@@ -214,7 +215,7 @@ def _train_from_config(optimizer_section: dict, accum: int) -> None:
         factory = lambda p: torch.optim.SGD(p, **params)  # noqa: E731
     else:
         factory = lambda p: Lamb(p, **params)  # noqa: E731
-    for got, expected in zip(engine.module.parameters(), _reference_with(factory, world, accum)):
+    for got, expected in zip(engine.module.parameters(), _reference_with(factory, world, accum), strict=True):
         torch.testing.assert_close(got.detach(), expected, rtol=0, atol=1e-5)
 
 
@@ -254,7 +255,7 @@ def test_bf16_and_fp16_track_fp32_within_2_percent() -> None:
     fp32 = run_distributed(_losses, 2, "fp32")[0]
     for precision in ("bf16", "fp16"):
         low = run_distributed(_losses, 2, precision)[0]
-        worst = max(abs(a - b) / b for a, b in zip(low, fp32))
+        worst = max(abs(a - b) / b for a, b in zip(low, fp32, strict=True))
         assert worst < 0.02, f"{precision} strays {worst:.1%} from fp32"
     assert fp32[-1] < fp32[0] * 0.5
 
@@ -316,7 +317,7 @@ def _no_sync_then_sync(accum: int) -> None:
             with context:
                 engine.backward(nn.functional.mse_loss(engine(x[rows]), y[rows]))
             engine.step()
-    for got, expected in zip(engine.module.parameters(), _reference(world, accum)):
+    for got, expected in zip(engine.module.parameters(), _reference(world, accum), strict=True):
         torch.testing.assert_close(got.detach(), expected, rtol=0, atol=1e-5)
 
 
@@ -369,18 +370,13 @@ def _tied_frozen() -> None:
         engine.step()
     torch.manual_seed(0)
     ref = TiedFrozen()
-    opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
-    for step in range(STEPS):
-        for r in range(world):
-            rows = _rows(step, r, 0, world, 1)
-            (nn.functional.mse_loss(ref(x[rows]), y[rows]) / world).backward()
-        nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.requires_grad], 1.0)
-        opt.step()
-        opt.zero_grad()
-    for (name, got), expected in zip(engine.module.named_parameters(), ref.parameters()):
+    _plain_reference(ref, torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1, momentum=0.9),
+                     world, 1)
+    for (name, got), expected in zip(engine.module.named_parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(got.detach(), expected.detach(), rtol=0, atol=1e-5, msg=name)
     assert torch.equal(engine.module.frozen.weight, ref.frozen.weight)  # never updated
 
 
+@pytest.mark.smoke
 def test_tied_and_frozen_parameters_match_the_reference() -> None:
     run_distributed(_tied_frozen, 2)

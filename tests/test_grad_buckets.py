@@ -8,6 +8,7 @@ from torch import nn
 
 from zerospeed.distributed import Comm
 from zerospeed.testing import run_distributed
+from zerospeed.testing.models import TanhMLP
 from zerospeed.zero.grads import GradBuckets, ReductionPolicy, plan_buckets
 
 
@@ -25,15 +26,10 @@ def test_policy_rejects_non_positive_predivide() -> None:
         ReductionPolicy(predivide_factor=0.0)
 
 
-class Net(nn.Module):
+class Net(TanhMLP):
     def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(7, 13)
-        self.b = nn.Linear(13, 5)
+        super().__init__(7, 13, 5)
         self.unused = nn.Linear(3, 3)  # never in forward: must not hang, gradient stays zero
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.tanh(self.a(x)))
 
 
 def _data(world: int, accum: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:

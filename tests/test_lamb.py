@@ -34,7 +34,7 @@ def reference_lamb(params, grads_per_step, *, lr=1e-3, betas=(0.9, 0.999), eps=1
         else:
             eta = lr
         coeffs = []
-        for x, m, v, g in zip(xs, ms, vs, grads):
+        for x, m, v, g in zip(xs, ms, vs, grads, strict=True):
             g = g / divisor
             m.copy_(b1 * m + (1 - b1) * g)
             v.copy_(b2 * v + (1 - b2) * g * g)
@@ -63,7 +63,7 @@ def run_lamb(params, grads_per_step, *, step_kwargs=None, **hyper):
     opt = Lamb(ps, **hyper)
     coeffs = []
     for grads in grads_per_step:
-        for p, g in zip(ps, grads):
+        for p, g in zip(ps, grads, strict=True):
             p.grad = g.clone()
         opt.step(**(step_kwargs or {}))
         coeffs.append(opt.get_lamb_coeffs())
@@ -75,7 +75,7 @@ def flat(nested):
 
 
 def max_diff(a, b):
-    return max(float((x.detach() - y.detach()).abs().max()) for x, y in zip(a, b))
+    return max(float((x.detach() - y.detach()).abs().max()) for x, y in zip(a, b, strict=True))
 
 
 CASES = {
@@ -159,7 +159,7 @@ def test_loss_scale_and_max_grad_norm():
 def test_grad_norms_argument_used_when_given():
     params, grads = make_case(steps=1)
     ps = [torch.nn.Parameter(p.clone()) for p in params]
-    for p, g in zip(ps, grads[0]):
+    for p, g in zip(ps, grads[0], strict=True):
         p.grad = g.clone()
     norm = math.sqrt(sum(float((g * g).sum()) for g in grads[0]))
     opt = Lamb(ps, lr=1e-2, max_grad_norm=1.0)
@@ -203,14 +203,14 @@ def test_state_dict_round_trip():
     ps = [torch.nn.Parameter(p.clone()) for p in params]
     opt = Lamb(ps, lr=1e-2, weight_decay=0.1)
     for gs in grads[:3]:
-        for p, g in zip(ps, gs):
+        for p, g in zip(ps, gs, strict=True):
             p.grad = g.clone()
         opt.step()
     copies = [torch.nn.Parameter(p.detach().clone()) for p in ps]
     resumed = Lamb(copies, lr=1e-2, weight_decay=0.1)
     resumed.load_state_dict(copy.deepcopy(opt.state_dict()))  # torch shares tensors
     for gs in grads[3:]:
-        for a, b, g in zip(ps, copies, gs):
+        for a, b, g in zip(ps, copies, gs, strict=True):
             a.grad, b.grad = g.clone(), g.clone()
         opt.step()
         resumed.step()

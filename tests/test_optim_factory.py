@@ -93,10 +93,10 @@ def test_adam_modes_match_torch_on_one_step():
     m = model()
     adam = one_step(build_optimizer(cfg("Adam", adam_w_mode=False, **kw), m.parameters()), m)
     adam_ref = one_step(torch.optim.Adam, model(), **kw)
-    for got, want in zip(adamw + adam, adamw_ref + adam_ref):
+    for got, want in zip(adamw + adam, adamw_ref + adam_ref, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     # Decoupled decay shrinks every weight by lr*wd; L2 decay goes through the Adam normaliser.
-    assert max(float((a - b).abs().max()) for a, b in zip(adamw, adam)) > 1e-3
+    assert max(float((a - b).abs().max()) for a, b in zip(adamw, adam, strict=True)) > 1e-3
 
 
 def test_user_param_groups_keep_their_overrides():
@@ -161,7 +161,7 @@ def test_sgd_matches_torch_on_one_step():
     got = one_step(build_optimizer(cfg("SGD", lr=0.1, momentum=0.9, weight_decay=0.01),
                                    m.parameters()), m)
     want = one_step(torch.optim.SGD, model(), lr=0.1, momentum=0.9, weight_decay=0.01)
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 

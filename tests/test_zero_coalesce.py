@@ -18,7 +18,9 @@ from torch import nn
 import zerospeed
 from zerospeed.sharding.units import coalesce
 from zerospeed.testing import run_distributed
+from zerospeed.testing.data import micro_batch_rows
 from zerospeed.testing.parity import assert_close_tree
+from zerospeed.testing.reference import train_reference
 from zerospeed.zero import GatheredParameters
 from zerospeed.zero.layout import build_units
 
@@ -52,8 +54,7 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _rows(step: int, rank: int, micro_step: int) -> slice:
-    start = ((step * WORLD + rank) * ACCUM + micro_step) * MICRO
-    return slice(start, start + MICRO)
+    return micro_batch_rows(step, rank, micro_step, world=WORLD, accum=ACCUM, micro=MICRO)
 
 
 def _run_case(stage: int, zero: dict) -> dict:
@@ -98,14 +99,13 @@ def _reference() -> dict[str, torch.Tensor]:
     model = Tower()
     opt = torch.optim.AdamW(model.parameters(), **ADAMW["params"])
     x, y = _data()
-    for step in range(STEPS):
-        for rank in range(WORLD):
-            for m in range(ACCUM):
-                rows = _rows(step, rank, m)
-                (nn.functional.mse_loss(model(x[rows]), y[rows]) / (WORLD * ACCUM)).backward()
-        nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        opt.step()
-        opt.zero_grad()
+
+    def batch(step: int, rank: int, micro_step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = _rows(step, rank, micro_step)
+        return x[rows], y[rows]
+
+    train_reference(model, opt, batch=batch, loss_fn=nn.functional.mse_loss, steps=STEPS, world=WORLD, accum=ACCUM,
+                    clip=0.5)
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
@@ -134,7 +134,8 @@ def test_stage3_keeps_one_unit_per_block(results: dict) -> None:
     assert [got["units"] for got in results["s3"]] == [2 + BLOCKS] * WORLD
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.smoke) if name == "s2 default buckets" else name
+                                  for name in CASES])  # smoke: a quick 2-rank stage-2 parity case
 def test_coalesced_units_train_like_plain_pytorch(results: dict, name: str) -> None:
     reference = _reference()
     for rank, got in enumerate(results[name]):

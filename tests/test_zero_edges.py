@@ -109,14 +109,15 @@ def _edges() -> dict:
             engine.step()
         results.append(_params(engine))
     out["no_sync_boundary_equal"] = results[0] == results[1] or max(
-        abs(a - b) for x, y in zip(*results) for a, b in zip(x, y)) < 1e-6
+        abs(a - b) for x, y in zip(*results, strict=True) for a, b in zip(x, y, strict=True)) < 1e-6
     return out
 
 
 def test_zero_edge_cases() -> None:
     for rank, out in enumerate(run_distributed(_edges, 2, timeout=180)):
         for case in ("nanogpt", "external"):
-            diff = max(abs(a - b) for x, y in zip(out[f"{case}_0"], out[f"{case}_3"]) for a, b in zip(x, y))
+            diff = max(abs(a - b) for x, y in zip(out[f"{case}_0"], out[f"{case}_3"], strict=True)
+                       for a, b in zip(x, y, strict=True))
             assert diff < 1e-6, (rank, case, diff)
         for stage in (1, 3):
             assert out[f"reinit_same_start_{stage}"] and out[f"reinit_trains_{stage}"], (rank, stage)

@@ -10,25 +10,16 @@ from torch import nn
 
 import zerospeed
 from zerospeed.testing import run_distributed
+from zerospeed.testing.models import ResidualBlock
 from zerospeed.utils import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
                              safe_set_full_fp32_param)
-
-
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.fc = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.tanh(self.fc(self.norm(x)))
 
 
 class Net(nn.Module):
     def __init__(self, width: int = 12, depth: int = 3) -> None:
         super().__init__()
         self.emb = nn.Embedding(17, width)
-        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.blocks = nn.ModuleList(ResidualBlock(width) for _ in range(depth))
         self.head = nn.Linear(width, 17, bias=False)
         self.head.weight = self.emb.weight
 
@@ -83,7 +74,7 @@ def _init_cases() -> dict:
         out[f"losses_{stage}"] = (_train(engine, 3), _train(twin, 3))
         with zerospeed.zero.GatheredParameters(list(built.parameters()) + list(twin.module.parameters())):
             out[f"params_equal_{stage}"] = all(torch.equal(a, b) for a, b in
-                                               zip(built.parameters(), twin.module.parameters()))
+                                               zip(built.parameters(), twin.module.parameters(), strict=True))
     # modifier_rank: rank 1's in-place edit becomes every rank's shard and fp32 master
     engine, *_ = zerospeed.initialize(model=Net(), config=_config(3, lr=0.0))
     target = engine.module.blocks[1].fc.weight

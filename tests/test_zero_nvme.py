@@ -20,31 +20,31 @@ from torch import nn
 
 import zerospeed
 from zerospeed.testing import run_distributed
+from zerospeed.testing.configs import adamw, train_config, zero_section
+from zerospeed.testing.data import seeded_regression_batch
+from zerospeed.testing.models import seeded_mlp
 
 STEPS = 3
 
 
 def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(12, 24), nn.GELU(), nn.Linear(24, 24), nn.GELU(), nn.Linear(24, 5))
+    return seeded_mlp(12, 24, 24, 5)
 
 
 def _config(stage: int, nvme: str | None) -> dict[str, Any]:
-    zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": 200, "stage3_param_persistence_threshold": 10}
+    zero = zero_section(stage, reduce_bucket_size=200, persistence_threshold=10)
     if nvme is not None:
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme, "pipeline_read": True,
                                      "buffer_count": 4}
-    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10**9,
-            "gradient_clipping": 0.05, "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
-            "zero_optimization": zero, "aio": {"block_size": 4096, "queue_depth": 4}}
+    return train_config(micro=2, accum=2, clip=0.05, optimizer=adamw(3e-3), zero=zero,
+                        aio={"block_size": 4096, "queue_depth": 4})
 
 
 def _train(engine: Any) -> list[float]:
     rank = torch.distributed.get_rank()
     losses = []
     for step in range(STEPS * 2):
-        g = torch.Generator().manual_seed(100 * step + rank)
-        x, y = torch.randn(2, 12, generator=g), torch.randn(2, 5, generator=g)
+        x, y = seeded_regression_batch(step, rank, rows=2, inputs=12, outputs=5)
         loss = (engine(x) - y).pow(2).mean()
         engine.backward(loss)
         engine.step()

@@ -20,6 +20,9 @@ from torch import nn
 import zerospeed
 from zerospeed.config import ConfigError
 from zerospeed.testing import log_messages, run_distributed
+from zerospeed.testing.configs import adamw, train_config, zero_section
+from zerospeed.testing.data import seeded_regression_batch
+from zerospeed.testing.models import seeded_mlp
 
 STEPS = 4
 OFFLOAD = {"device": "cpu"}
@@ -33,16 +36,12 @@ VARIANTS = [
 
 
 def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(12, 24), nn.GELU(), nn.Linear(24, 24), nn.GELU(), nn.Linear(24, 5))
+    return seeded_mlp(12, 24, 24, 5)
 
 
 def _config(stage: int, bf16: bool, clip: float = 0.05, zero_extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": 200, "stage3_param_persistence_threshold": 10,
-                            **(zero_extra or {})}
-    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10**9,
-            "gradient_clipping": clip, "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
-            "bf16": {"enabled": bf16}, "zero_optimization": zero}
+    zero = zero_section(stage, reduce_bucket_size=200, persistence_threshold=10, **(zero_extra or {}))
+    return train_config(micro=2, accum=2, clip=clip, optimizer=adamw(3e-3), zero=zero, bf16={"enabled": bf16})
 
 
 def _train(config: dict[str, Any]) -> dict[str, Any]:
@@ -51,8 +50,7 @@ def _train(config: dict[str, Any]) -> dict[str, Any]:
     engine, optimizer, *_ = zerospeed.initialize(model=_model(), config=config)
     losses = []
     for step in range(STEPS * 2):
-        g = torch.Generator().manual_seed(100 * step + rank)
-        x, y = torch.randn(2, 12, generator=g), torch.randn(2, 5, generator=g)
+        x, y = seeded_regression_batch(step, rank, rows=2, inputs=12, outputs=5)
         out = engine(x.bfloat16() if bf16 else x)
         loss = (out.float() - y).pow(2).mean()
         engine.backward(loss)
@@ -70,7 +68,7 @@ def _train(config: dict[str, Any]) -> dict[str, Any]:
     return {"losses": losses, "masters": torch.cat(masters).tolist(), "params": torch.cat(params).tolist(),
             "optimizer": type(optimizer).__name__, "early_jobs": state.eager.jobs_run,
             "early_during_backward": state.eager.jobs_during_backward,
-            "offloaded_elems": sum(u.plan.shard_numel for u, t in zip(state.units, tiers) if t == "cpu"),
+            "offloaded_elems": sum(u.plan.shard_numel for u, t in zip(state.units, tiers, strict=True) if t == "cpu"),
             "elems": sum(u.plan.shard_numel for u in state.units),
             "param_tiers": sorted({"cpu" if u.shard.device.type == "cpu" and not u.persistent else "device"
                                    for u in state.units}),

@@ -24,6 +24,9 @@ from torch import nn
 
 import zerospeed
 from zerospeed.testing import run_distributed
+from zerospeed.testing.data import micro_batch_rows
+from zerospeed.testing.models import ResidualBlock
+from zerospeed.testing.reference import train_reference
 
 STAGES = (0, 1, 2, 3)  # the ZeRO stages under test
 # Cheaper corners run at fewer stages (the first entry of each when those stages are not in STAGES yet).
@@ -53,16 +56,6 @@ RMSPROP = {"type": "RMSprop", "params": {"lr": 0.01}}  # not on ZeRO's tested li
 BASE_ZERO = {"reduce_bucket_size": 50, "stage3_param_persistence_threshold": 0}
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.fc = nn.Linear(DIM, DIM)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h + torch.tanh(self.fc(self.norm(h)))
-
-
 class Awkward(nn.Module):
     """Sizes that do not split evenly: 156 (embedding = head), 144, 53, 12, 2 and 1 elements."""
 
@@ -71,7 +64,7 @@ class Awkward(nn.Module):
         self.emb = nn.Embedding(VOCAB, DIM)
         self.frozen = nn.Parameter(torch.randn(DIM) * 0.1, requires_grad=False)
         self.odd = nn.Parameter(torch.randn(ODD) * 0.1)  # 53 elements: a (token, position) bias table
-        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.blocks = nn.ModuleList(ResidualBlock(DIM) for _ in range(BLOCKS))
         self.norm = nn.LayerNorm(DIM)
         self.gain = nn.Parameter(torch.ones(1))  # 1 element, fewer than any world size here
         self.mix = nn.Parameter(torch.tensor([1.0, 0.5]))  # 2 elements, fewer than 3 and 4 ranks
@@ -102,8 +95,7 @@ def _data(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _rows(step: int, rank: int, micro_step: int, world: int, accum: int, micro: int) -> slice:
     """Rows of the shared data set that ``rank`` trains on in micro-step ``micro_step`` of ``step``."""
-    start = step * world * accum * micro + (rank * accum + micro_step) * micro
-    return slice(start, start + micro)
+    return micro_batch_rows(step, rank, micro_step, world=world, accum=accum, micro=micro)
 
 
 def _case(name: str, stage: int, accum: int = 1, optimizer: dict | None = None, **extra: Any) -> dict:
@@ -319,22 +311,15 @@ def _train_reference(world: int, case: dict) -> dict:
     opt = _torch_optimizer(case["optimizer"], trainable)
     sched = WarmupLR(opt, **WARMUP["params"]) if case["scheduler"] else None
     ids, targets = _data(steps * world * accum * micro)
-    losses: list[list[float]] = [[] for _ in range(world)]
-    norms = []
-    for step in range(steps):
-        for r in range(world):
-            for m in range(accum):
-                rows = _rows(step, r, m, world, accum, micro)
-                loss = _loss(model(ids[rows]), targets[rows])
-                losses[r].append(loss.item())
-                (loss / accum / world).backward()
-        norms.append(float(nn.utils.clip_grad_norm_(trainable, 1.0)))
-        opt.step()
-        opt.zero_grad()
-        if sched is not None:
-            sched.step()
+
+    def batch(step: int, rank: int, micro_step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = _rows(step, rank, micro_step, world, accum, micro)
+        return ids[rows], targets[rows]
+
+    run = train_reference(model, opt, batch=batch, loss_fn=_loss, steps=steps, world=world, accum=accum, clip=1.0,
+                          scheduler=sched)
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
-    return {"losses": losses, "norms": norms, "params": params}
+    return {"losses": run.losses, "norms": run.grad_norms, "params": params}
 
 
 def _case_by_name(world: int, name: str) -> dict:

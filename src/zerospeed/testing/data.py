@@ -1,0 +1,27 @@
+"""Deterministic batches for parity tests: every rank and the reference derive the same rows.
+
+Two schemes the tests use: a shared data set cut into micro-batches by (step, rank, micro-step), as a
+data-parallel sampler would; and a fresh batch per (step, rank) from a seeded generator, so a resumed
+or re-run engine sees exactly the data of the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_STEP_STRIDE = 100  # seed = 100 * step + rank: distinct for every (step, rank) with fewer than 100 ranks
+
+
+def micro_batch_rows(step: int, rank: int, micro_step: int, *, world: int, accum: int, micro: int) -> slice:
+    """Rows of a shared data set that ``rank`` trains on in micro-step ``micro_step`` of ``step``: each
+    step takes the next ``world * accum * micro`` rows, rank by rank, micro-batch by micro-batch."""
+    start = step * world * accum * micro + (rank * accum + micro_step) * micro
+    return slice(start, start + micro)
+
+
+def seeded_regression_batch(step: int, rank: int, *, rows: int, inputs: int,
+                            outputs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x, y)`` of standard normal values, ``rows x inputs`` and ``rows x outputs``, drawn from a
+    generator seeded by ``(step, rank)`` alone."""
+    gen = torch.Generator().manual_seed(_STEP_STRIDE * step + rank)
+    return torch.randn(rows, inputs, generator=gen), torch.randn(rows, outputs, generator=gen)
