@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from zerospeed.config import Config
+from zerospeed.config.policies import TrainingPolicy, ZeroPolicy
 from zerospeed.distributed.comm import Comm
 from zerospeed.profiling.timers import NoTimers, PhaseTimers
 from zerospeed.zero.grads import ReductionPolicy
@@ -41,8 +42,10 @@ class Engine(nn.Module):
 
     def __init__(self, module: nn.Module, cfg: Config, comm: Comm, policy: Any,
                  optimizer: torch.optim.Optimizer | None, lr_scheduler: Any = None, state: Any = None, *,
-                 timers: PhaseTimers | None = None):
+                 timers: PhaseTimers | None = None, training: TrainingPolicy | None = None):
         super().__init__()
+        # batch sizes, clipping and reporting as plain values (built from ``cfg`` when not given)
+        self.training = training if training is not None else TrainingPolicy.from_config(cfg)
         # wall_clock_breakdown: phases timed (and synchronized) only when the config asks
         self.timers: PhaseTimers = timers if timers is not None else NoTimers()
         self.module = module
@@ -78,13 +81,13 @@ class Engine(nn.Module):
 
     # -- sizes ----------------------------------------------------------------------------
     def train_batch_size(self) -> int:
-        return int(self.config.train_batch_size)
+        return self.training.train_batch_size
 
     def train_micro_batch_size_per_gpu(self) -> int:
-        return int(self.config.train_micro_batch_size_per_gpu)
+        return self.training.train_micro_batch_size_per_gpu
 
     def gradient_accumulation_steps(self) -> int:
-        return int(self.config.gradient_accumulation_steps)
+        return self.training.gradient_accumulation_steps
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True while the current micro-batch is the last one of its accumulation window."""
@@ -160,7 +163,7 @@ class Engine(nn.Module):
             self._finish_window()
             return False
         self._global_grad_norm = norm
-        clip = float(self.config.gradient_clipping)
+        clip = self.training.gradient_clipping
         factor = clip / (self._global_grad_norm + 1e-6) if clip > 0 else 1.0
         if factor < 1.0:  # torch's and DeepSpeed's clip_grad_norm rule
             grads.mul_(factor)
@@ -308,7 +311,7 @@ class Engine(nn.Module):
         return self.scaler.loss_scale
 
     def _report(self) -> None:
-        every = self.config.steps_per_print
+        every = self.training.steps_per_print
         if not every or self.global_steps % every:
             return
         breakdown = self.timers.report(every)  # on every rank: each starts its next interval
@@ -345,7 +348,9 @@ def reduction_policy(cfg: Config, policy: Any) -> ReductionPolicy:
                            predivide_factor=cfg.gradient_predivide_factor)
 
 
-def _replicated(module: nn.Module, cfg: Config, comm: Comm, policy: Any) -> ReplicatedState:
+def _replicated(module: nn.Module, cfg: Config, comm: Comm, policy: Any, *,
+                zero: ZeroPolicy | None = None) -> ReplicatedState:
+    zero = zero if zero is not None else ZeroPolicy.from_config(cfg.zero_optimization)
     return ReplicatedState(module, comm, master_dtype=policy.master_dtype, accum_dtype=policy.grad_accum_dtype,
-                           bucket_elems=int(cfg.zero_optimization.reduce_bucket_size),
+                           bucket_elems=zero.reduce_bucket_size,
                            reduction=reduction_policy(cfg, policy))
