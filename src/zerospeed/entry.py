@@ -106,7 +106,7 @@ def initialize(args: Any = None, model: nn.Module | None = None,
         loader = DistributedLoader(training_data, micro_batch_size=training.train_micro_batch_size_per_gpu,
                                    rank=comm.rank, world_size=comm.world_size, collate_fn=collate_fn,
                                    drop_last=cfg.dataloader_drop_last)
-    engine = Engine(model, cfg, comm, policy, opt, sched, state=state, timers=_timers(cfg), training=training)
+    engine = Engine(model, cfg, comm, policy, opt, sched, state=state, timers=_timers(cfg), settings=training)
     engine.training_dataloader = loader
     _ensure_log_handler()
     if comm.rank == 0:

@@ -15,7 +15,6 @@ from typing import Any
 from pydantic import PrivateAttr, ValidationError
 
 from .auto import require_resolved, substitute_auto, unresolved_auto
-from .base import Section
 from .batch import resolve_batch
 from .errors import ConfigError
 from .features import check_implemented, features_in_use

@@ -15,8 +15,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, model_validator
 
-from .base import Section, names
-from .errors import ConfigError
+from .base import Section, aliased
 from .schema_features import (
     ActivationCheckpointingConfig,
     AutotuningConfig,
@@ -88,7 +87,9 @@ def _max_grad_norm_as_clipping(data: Mapping[str, Any]) -> Mapping[str, Any]:
     GPT-2 and BERT examples) clip there, as apex's fused optimizers did, by the global gradient norm;
     DeepSpeed 0.3 moved it to the top level and later releases refuse the old spelling."""
     optimizer = data.get("optimizer")
-    params = optimizer.get("params") if isinstance(optimizer, Mapping) else None
+    if not isinstance(optimizer, Mapping):
+        return data
+    params = optimizer.get("params")
     if not isinstance(params, Mapping) or "max_grad_norm" not in params:
         return data
     value = params["max_grad_norm"]
@@ -103,6 +104,7 @@ def _max_grad_norm_as_clipping(data: Mapping[str, Any]) -> Mapping[str, Any]:
                   f'"gradient_clipping": {show(value)}: move it to the top level', DeprecationWarning, stacklevel=5)
     rest = {key: v for key, v in params.items() if key != "max_grad_norm"}
     return {**data, "optimizer": {**optimizer, "params": rest}, "gradient_clipping": value}
+
 
 class ConfigSections(Section):
     """Every top-level section and key, validated and cross-checked (see :class:`Config`)."""
@@ -124,7 +126,7 @@ class ConfigSections(Section):
 
     # -- precision ------------------------------------------------------------------------
     fp16: FP16Config = Field(default_factory=FP16Config)
-    bf16: BF16Config = Field(default_factory=BF16Config, **names("bf16", "bfloat16"))
+    bf16: BF16Config = aliased("bf16", "bfloat16", default_factory=BF16Config)
     amp: AmpConfig = Field(default_factory=AmpConfig)
     torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
     data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
@@ -243,7 +245,7 @@ def _cross_check_problems(cfg: ConfigSections) -> list[tuple[tuple[str | int, ..
                          "true needs bf16.bf16_master_weights_and_grads = true"))
     if cfg.gradient_allreduce_op == "sum" and known_stage and stage == 3:
         problems.append((("gradient_allreduce_op",), '"sum" is not supported with ZeRO stage 3'))
-    if cfg.optimizer is not None and cfg.optimizer.type in _ONEBIT and known_stage and stage > 0:
+    if cfg.optimizer is not None and cfg.optimizer.type in _ONEBIT and stage not in (0, AUTO):
         problems.append((("optimizer", "type"), f"{show(cfg.optimizer.type)} cannot be combined "
                                                 f"with ZeRO (zero_optimization.stage is {stage})"))
     return problems

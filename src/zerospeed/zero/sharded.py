@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 import uuid
-from typing import Any, ContextManager, Iterator, Sequence
+from typing import ContextManager, Iterator, Sequence
 
 import torch
 from torch import nn
