@@ -23,7 +23,6 @@ from torch.optim import Optimizer
 
 from ..config.errors import ConfigError
 from ..config.specs import SchedulerSpec
-from ..config.values import Auto
 
 Number = float | int
 PerGroup = Number | Sequence[Number]
@@ -61,7 +60,7 @@ def _check_int(value: Any, name: str, *, minimum: int, fix: str) -> int:
 
 
 def _check_number(value: Any, name: str, *, minimum: float | None = None) -> Number:
-    if isinstance(value, Auto) or (isinstance(value, str) and value == "auto"):
+    if isinstance(value, str) and value == "auto":  # a config's "auto" never gets here (see SchedulerSpec)
         raise ValueError(f"{name}='auto': must be resolved to a number before the schedule is "
                          "built; give a number")
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
