@@ -37,47 +37,44 @@ def _device(value: OffloadDevice | Auto, path: str) -> OffloadDevice:
 
 
 @dataclass(frozen=True)
-class OptimizerOffload:
-    """``zero_optimization.offload_optimizer``: where masters and optimizer states live."""
+class _OffloadTarget:
+    """What both offload sections share: the device, its NVMe directory, pinning."""
 
     device: OffloadDevice = OffloadDevice.NONE
     nvme_path: pathlib.Path | None = None
     pin_memory: bool = True
+
+    @property
+    def enabled(self) -> bool:
+        return self.device != OffloadDevice.NONE
+
+
+@dataclass(frozen=True)
+class OptimizerOffload(_OffloadTarget):
+    """``zero_optimization.offload_optimizer``: where masters and optimizer states live."""
+
     buffer_count: int = 4
     ratio: float = 1.0
     pipeline_read: bool = False
 
-    @property
-    def enabled(self) -> bool:
-        return self.device != OffloadDevice.NONE
-
     @classmethod
     def from_config(cls, section: OffloadOptimizerConfig) -> OptimizerOffload:
-        return cls(device=_device(section.device, "zero_optimization.offload_optimizer.device"),
-                   nvme_path=section.nvme_path, pin_memory=section.pin_memory,
-                   buffer_count=section.buffer_count, ratio=section.ratio,
+        return cls(_device(section.device, "zero_optimization.offload_optimizer.device"), section.nvme_path,
+                   section.pin_memory, buffer_count=section.buffer_count, ratio=section.ratio,
                    pipeline_read=section.pipeline_read)
 
 
 @dataclass(frozen=True)
-class ParamOffload:
+class ParamOffload(_OffloadTarget):
     """``zero_optimization.offload_param``: where stage-3 parameter shards live between uses."""
 
-    device: OffloadDevice = OffloadDevice.NONE
-    nvme_path: pathlib.Path | None = None
-    pin_memory: bool = True
     buffer_count: int = 5
     max_in_cpu: int = 1_000_000_000
 
-    @property
-    def enabled(self) -> bool:
-        return self.device != OffloadDevice.NONE
-
     @classmethod
     def from_config(cls, section: OffloadParamConfig) -> ParamOffload:
-        return cls(device=_device(section.device, "zero_optimization.offload_param.device"),
-                   nvme_path=section.nvme_path, pin_memory=section.pin_memory,
-                   buffer_count=section.buffer_count, max_in_cpu=section.max_in_cpu)
+        return cls(_device(section.device, "zero_optimization.offload_param.device"), section.nvme_path,
+                   section.pin_memory, buffer_count=section.buffer_count, max_in_cpu=section.max_in_cpu)
 
 
 @dataclass(frozen=True)

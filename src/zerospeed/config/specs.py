@@ -7,7 +7,7 @@ here, one line per key, with the fix.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -36,6 +36,13 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _without_auto(params: Mapping[str, Any], line: Callable[[str], str]) -> None:
+    """Refuse ``params`` holding ``"auto"`` anywhere: one ``line(key)`` per such key."""
+    unresolved = [key for key, value in params.items() if _has_auto(value)]
+    if unresolved:
+        raise ConfigError([line(key) for key in unresolved])
+
+
 @dataclass(frozen=True)
 class OptimizerSpec:
     """``optimizer``: the canonical type name and the params as given (plain values)."""
@@ -49,35 +56,28 @@ class OptimizerSpec:
 
     @classmethod
     def from_config(cls, section: OptimizerConfig) -> OptimizerSpec:
-        unresolved = [key for key, value in section.params.items() if _has_auto(value)]
-        if unresolved:
-            raise ConfigError([f'optimizer.params.{key}: still "auto" when building the optimizer; '
-                               "resolve it from the training arguments first or give a value in "
-                               "the config" for key in unresolved])
-        return cls(type=section.type, params=MappingProxyType(
-            {key: _plain(value) for key, value in section.params.items()}))
+        _without_auto(section.params, lambda key: f'optimizer.params.{key}: still "auto" when building '
+                      "the optimizer; resolve it from the training arguments first or give a value in the config")
+        return cls(section.type, MappingProxyType({key: _plain(v) for key, v in section.params.items()}))
 
 
 @dataclass(frozen=True)
 class SchedulerSpec:
-    """``scheduler``: the schedule name and its params (DeepSpeed's defaults filled in)."""
+    """``scheduler``: the schedule name and its params (DeepSpeed's defaults filled in), arrays as lists."""
 
     type: str
     params: Mapping[str, Any]
 
     def kwargs(self) -> dict[str, Any]:
-        """A fresh copy of the params as JSON-like values (arrays as lists, as DeepSpeed passes them)."""
+        """A fresh copy of the params, as DeepSpeed passes them (JSON values)."""
         return {key: thaw(value) for key, value in self.params.items()}
 
     @classmethod
     def from_config(cls, section: SchedulerConfig) -> SchedulerSpec:
-        unresolved = [key for key, value in section.params.items() if _has_auto(value)]
-        if unresolved:
-            raise ConfigError([f'scheduler.params.{key}: still "auto" when building the '
-                               f"{section.type} schedule; resolve it from the training arguments "
-                               "first or give a value in the config" for key in unresolved])
-        return cls(type=section.type, params=MappingProxyType(
-            {key: thaw(value) for key, value in section.params.items()}))
+        _without_auto(section.params, lambda key: f'scheduler.params.{key}: still "auto" when building the '
+                      f"{section.type} schedule; resolve it from the training arguments first or give a "
+                      "value in the config")
+        return cls(section.type, MappingProxyType({key: thaw(v) for key, v in section.params.items()}))
 
 
 __all__ = ["OptimizerSpec", "SchedulerSpec"]
