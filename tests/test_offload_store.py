@@ -8,15 +8,16 @@ import torch
 
 from zerospeed.accelerator import Accelerator
 from zerospeed.config import load_config
+from zerospeed.config.policies import ZeroPolicy
 from zerospeed.offload.store import StateStore, Tier
 from zerospeed.zero.eager import StepOverlap
 
 CPU = torch.device("cpu")
 
 
-def _zero(**zero: Any) -> Any:
+def _zero(**zero: Any) -> ZeroPolicy:
     cfg = load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero}, world_size=1)
-    return cfg.zero_optimization
+    return ZeroPolicy.from_config(cfg.zero_optimization)
 
 
 def test_tiers_follow_the_config() -> None:

@@ -8,13 +8,16 @@ import pytest
 import torch
 
 from zerospeed.config import ConfigError, load_config
+from zerospeed.config.specs import OptimizerSpec
 from zerospeed.optim.factory import UNIMPLEMENTED, build_optimizer
 from zerospeed.optim.lamb import Lamb
 
 
-def cfg(type_: str, **params: Any):
-    return load_config({"train_batch_size": 8,
-                        "optimizer": {"type": type_, "params": params}}).optimizer
+def cfg(type_: str, **params: Any) -> OptimizerSpec:
+    section = load_config({"train_batch_size": 8,
+                           "optimizer": {"type": type_, "params": params}}).optimizer
+    assert section is not None
+    return OptimizerSpec.from_config(section)
 
 
 def model() -> torch.nn.Module:

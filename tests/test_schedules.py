@@ -17,6 +17,7 @@ import torch
 
 import zerospeed.lr_schedules as lr_schedules
 from zerospeed.config import ConfigError, load_config
+from zerospeed.config.specs import SchedulerSpec
 from zerospeed.optim import (
     LRRangeTest,
     OneCycle,
@@ -348,8 +349,10 @@ def test_tensor_lr_is_filled_in_place_and_wrappers_are_unwrapped() -> None:
 # ----------------------------------------------------------------------------- config
 
 
-def config_scheduler(section: dict[str, Any]) -> Any:
-    return load_config({"train_batch_size": 8, "scheduler": section}).scheduler
+def config_scheduler(section: dict[str, Any]) -> SchedulerSpec:
+    parsed = load_config({"train_batch_size": 8, "scheduler": section}).scheduler
+    assert parsed is not None
+    return SchedulerSpec.from_config(parsed)
 
 
 @pytest.mark.parametrize("cls,params", ALL, ids=[c.__name__ for c, _ in ALL])
@@ -384,10 +387,10 @@ def test_build_scheduler_torch_class_by_name() -> None:
 
 
 def test_build_scheduler_rejects_unresolved_auto() -> None:
-    section = config_scheduler({"type": "WarmupLR",
-                                "params": {"warmup_max_lr": "auto", "warmup_num_steps": "auto"}})
     with pytest.raises(ConfigError) as err:
-        build_scheduler(section, make_opt())
+        build_scheduler(config_scheduler({"type": "WarmupLR", "params": {"warmup_max_lr": "auto",
+                                                                         "warmup_num_steps": "auto"}}),
+                        make_opt())
     assert err.value.problems == tuple(
         f'scheduler.params.{key}: still "auto" when building the WarmupLR schedule; resolve it '
         "from the training arguments first or give a value in the config"

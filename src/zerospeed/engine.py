@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from zerospeed.config import Config
+from zerospeed.config.policies import TrainingPolicy
 from zerospeed.data.loader import DistributedLoader
 from zerospeed.distributed.comm import Comm
 from zerospeed.precision.policy import MixedPrecisionPolicy
@@ -53,9 +54,11 @@ class Engine(nn.Module):
 
     def __init__(self, module: nn.Module, cfg: Config, comm: Comm, policy: MixedPrecisionPolicy,
                  optimizer: torch.optim.Optimizer | None, lr_scheduler: LRScheduler | None = None, *,
-                 state: ModelState, timers: PhaseTimers | None = None,
+                 state: ModelState, timers: PhaseTimers | None = None, settings: TrainingPolicy | None = None,
                  training_dataloader: DistributedLoader | None = None):
         super().__init__()
+        # batch sizes, clipping and reporting as plain values (built from ``cfg`` when not given)
+        self.settings = settings if settings is not None else TrainingPolicy.from_config(cfg)
         # wall_clock_breakdown: phases timed (and synchronized) only when the config asks
         self.timers: PhaseTimers = timers if timers is not None else NoTimers()
         self.module = module
@@ -91,13 +94,13 @@ class Engine(nn.Module):
 
     # -- sizes ----------------------------------------------------------------------------
     def train_batch_size(self) -> int:
-        return int(self.config.train_batch_size)
+        return self.settings.train_batch_size
 
     def train_micro_batch_size_per_gpu(self) -> int:
-        return int(self.config.train_micro_batch_size_per_gpu)
+        return self.settings.train_micro_batch_size_per_gpu
 
     def gradient_accumulation_steps(self) -> int:
-        return int(self.config.gradient_accumulation_steps)
+        return self.settings.gradient_accumulation_steps
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True while the current micro-batch is the last one of its accumulation window."""
@@ -171,7 +174,7 @@ class Engine(nn.Module):
             self._finish_window()
             return False
         self._global_grad_norm = norm
-        clip = float(self.config.gradient_clipping)
+        clip = self.settings.gradient_clipping
         factor = clip / (self._global_grad_norm + 1e-6) if clip > 0 else 1.0
         if factor < 1.0:  # torch's and DeepSpeed's clip_grad_norm rule
             grads.mul_(factor)
@@ -326,7 +329,7 @@ class Engine(nn.Module):
         return self.scaler.loss_scale
 
     def _report(self) -> None:
-        every = self.config.steps_per_print
+        every = self.settings.steps_per_print
         if not every or self.global_steps % every:
             return
         breakdown = self.timers.report(every)  # on every rank: each starts its next interval

@@ -12,19 +12,21 @@ from torch import nn
 
 from zerospeed.accelerator import get_accelerator
 from zerospeed.config import Config, ConfigError, load_config, resolve_batch
+from zerospeed.config.policies import TrainingPolicy, ZeroPolicy
+from zerospeed.config.specs import OptimizerSpec, SchedulerSpec
 from zerospeed.data.loader import DistributedLoader
 from zerospeed.distributed.comm import Comm
 from zerospeed.distributed.env import DEFAULT_TIMEOUT, init_distributed, process_group_timeout
 from zerospeed.distributed.mesh import ParallelDims
 from zerospeed.engine import Engine
-from zerospeed.profiling.timers import NoTimers, PhaseTimers, WallClockTimers
-from zerospeed.zero.external import external_parameters
 from zerospeed.precision.policy import MixedPrecisionPolicy
+from zerospeed.profiling.timers import NoTimers, PhaseTimers, WallClockTimers
 from zerospeed.zero.contract import ModelState
+from zerospeed.zero.external import external_parameters
 from zerospeed.zero.grads import ReductionPolicy
-from zerospeed.zero.replicated import ReplicatedState
-from zerospeed.zero.owner import clear_owner, engine_owner, init_partition
 from zerospeed.zero.optimizer import check_supported
+from zerospeed.zero.owner import clear_owner, engine_owner, init_partition
+from zerospeed.zero.replicated import ReplicatedState
 
 log = logging.getLogger("zerospeed")
 
@@ -84,17 +86,19 @@ def initialize(args: Any = None, model: nn.Module | None = None,
 
     _configure_activation_checkpointing(cfg)
     policy = policy_from_config(cfg)
+    zero = ZeroPolicy.from_config(cfg.zero_optimization)
+    training = TrainingPolicy.from_config(cfg)
     model.to(get_accelerator().device(info.local_rank))
     _detach_previous_engine(model)
     policy.cast_module(model)
     _broadcast_from_rank0(model, comm)
     trainable = [p for p in model.parameters() if p.requires_grad]
     # The optimizer is made while the parameters are still whole (Adagrad makes its state at once).
-    offload = _optimizer_offload(cfg)
+    offload = _optimizer_offload(zero)
     opt = _build_optimizer(optimizer, model_parameters, trainable, cfg, cpu_offload=offload)
     if offload:
         _warn_if_slow_on_cpu(opt)
-    state = _model_state(model, cfg, comm, policy, has_optimizer=opt is not None)
+    state = _model_state(model, cfg, comm, policy, zero=zero, training=training, has_optimizer=opt is not None)
     if opt is not None:
         if state.stage > 0:
             check_supported(opt, cfg.zero_allow_untested_optimizer)
@@ -102,15 +106,15 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     sched = _build_scheduler(lr_scheduler, opt, cfg)
     loader = None
     if training_data is not None:
-        loader = DistributedLoader(training_data, micro_batch_size=int(cfg.train_micro_batch_size_per_gpu),
+        loader = DistributedLoader(training_data, micro_batch_size=training.train_micro_batch_size_per_gpu,
                                    rank=comm.rank, world_size=comm.world_size, collate_fn=collate_fn,
                                    drop_last=cfg.dataloader_drop_last)
-    engine = Engine(model, cfg, comm, policy, opt, sched, state=state, timers=_timers(cfg),
+    engine = Engine(model, cfg, comm, policy, opt, sched, state=state, timers=_timers(cfg), settings=training,
                     training_dataloader=loader)
     _ensure_log_handler()
     if comm.rank == 0:
         log.info("zerospeed config (resolved, every default in force):\n%s", cfg.to_json())
-        if offload or state.stage == 3 and cfg.zero_optimization.offload_param.enabled:
+        if offload or state.stage == 3 and zero.offload_param.enabled:
             log.info("offload: %s", state.describe_offload())
     return engine, opt, loader, sched
 
@@ -188,22 +192,21 @@ def _broadcast_from_rank0(model: nn.Module, comm: Comm) -> None:
                 comm.broadcast(tensor.data, src=0)
 
 
-def _model_state(model: nn.Module, cfg: Config, comm: Comm, policy: MixedPrecisionPolicy,
-                 has_optimizer: bool = True) -> ModelState:
+def _model_state(model: nn.Module, cfg: Config, comm: Comm, policy: MixedPrecisionPolicy, *, zero: ZeroPolicy,
+                 training: TrainingPolicy, has_optimizer: bool = True) -> ModelState:
     """Stage 0 keeps everything on every rank; stages 1-3 shard (see zerospeed.zero)."""
-    stage = int(cfg.zero_optimization.stage)
+    stage = zero.stage
     if stage == 0:
         for p in model.parameters():  # built under zero.Init but trained unsharded: make them whole
             partition = init_partition(p)
             if partition is not None:
                 p.data = partition.take_full().to(p.dtype)
                 clear_owner(p)
-        return _replicated(model, cfg, comm, policy)
+        return _replicated(model, cfg, comm, policy, zero=zero)
     from zerospeed.offload.store import StateStore
     from zerospeed.zero.eager import StepOverlap
     from zerospeed.zero.sharded import ShardedState
 
-    zero = cfg.zero_optimization
     device = next(model.parameters()).device
     store = StateStore.from_config(zero, device, get_accelerator(), aio=cfg.aio)
     if not has_optimizer and store.optimizer.name == "nvme":
@@ -211,21 +214,19 @@ def _model_state(model: nn.Module, cfg: Config, comm: Comm, policy: MixedPrecisi
         log.info("zero_optimization.offload_optimizer.device is nvme but there is no optimizer: nothing to offload")
         store = dataclasses.replace(store, optimizer=store.compute, offload_ratio=1.0)
     overlap = StepOverlap.decide(offloaded=store.offloads_optimizer, swapped="nvme" in (store.optimizer.name, store.params.name),
-                                 clipping=float(cfg.gradient_clipping),
+                                 clipping=training.gradient_clipping,
                                  loss_scaled=policy.loss_scaling is not None, overflow_checked=policy.check_overflow,
-                                 sub_group_size=int(zero.sub_group_size))
+                                 sub_group_size=zero.sub_group_size)
     return ShardedState(model, comm, stage=stage, master_dtype=policy.master_dtype,
                         accum_dtype=policy.grad_accum_dtype, reduction=reduction_policy(cfg, policy),
                         zero_cfg=zero, external=external_parameters(model), store=store, overlap_step=overlap)
 
 
-def _optimizer_offload(cfg: Config) -> bool:
+def _optimizer_offload(zero: ZeroPolicy) -> bool:
     """Whether the optimizer is offloaded to the CPU (refused at stage 0, which has no shard to offload)."""
-    from zerospeed.zero.sharded import offloads_optimizer
-
-    if not offloads_optimizer(cfg.zero_optimization):
+    if not zero.offloads_optimizer:
         return False
-    if int(cfg.zero_optimization.stage) == 0:
+    if zero.stage == 0:
         raise ConfigError("zero_optimization.offload_optimizer: offloading the optimizer needs ZeRO stage 1, 2 "
                           "or 3 (it offloads this rank's shard); set zero_optimization.stage")
     return True
@@ -246,10 +247,10 @@ def reduction_policy(cfg: Config, policy: MixedPrecisionPolicy) -> ReductionPoli
                            predivide_factor=cfg.gradient_predivide_factor)
 
 
-def _replicated(module: nn.Module, cfg: Config, comm: Comm, policy: MixedPrecisionPolicy) -> ReplicatedState:
+def _replicated(module: nn.Module, cfg: Config, comm: Comm, policy: MixedPrecisionPolicy, *,
+                zero: ZeroPolicy) -> ReplicatedState:
     return ReplicatedState(module, comm, master_dtype=policy.master_dtype, accum_dtype=policy.grad_accum_dtype,
-                           bucket_elems=int(cfg.zero_optimization.reduce_bucket_size),
-                           reduction=reduction_policy(cfg, policy))
+                           bucket_elems=zero.reduce_bucket_size, reduction=reduction_policy(cfg, policy))
 
 
 def _build_optimizer(optimizer: Any, model_parameters: Any, trainable: list[nn.Parameter],
@@ -263,7 +264,7 @@ def _build_optimizer(optimizer: Any, model_parameters: Any, trainable: list[nn.P
     if optimizer is None and cfg.optimizer is not None:
         from zerospeed.optim.factory import build_optimizer
 
-        optimizer = build_optimizer(cfg.optimizer, params, cpu_offload=cpu_offload)
+        optimizer = build_optimizer(OptimizerSpec.from_config(cfg.optimizer), params, cpu_offload=cpu_offload)
     return optimizer
 
 
@@ -278,4 +279,4 @@ def _build_scheduler(lr_scheduler: Any, optimizer: torch.optim.Optimizer | None,
         raise ValueError("the config has a \"scheduler\" but there is no optimizer to schedule")
     from zerospeed.optim.schedules import build_scheduler
 
-    return build_scheduler(cfg.scheduler, optimizer)
+    return build_scheduler(SchedulerSpec.from_config(cfg.scheduler), optimizer)

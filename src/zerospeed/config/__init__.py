@@ -2,7 +2,8 @@
 
 ``load_config`` is the only door: it accepts a dict, a JSON/hjson file path or a base64
 string, and returns a :class:`Config` whose attributes mirror DeepSpeed's JSON keys.
-Nothing outside this package should need to look at a dict or a string key.
+Nothing outside this package should need to look at a dict or a string key, nor at a config
+section: components receive the plain, frozen policies of ``policies``/``specs`` built from it.
 """
 
 from .auto import parse_path
@@ -10,6 +11,7 @@ from .batch import BatchSizes, resolve_batch
 from .errors import ConfigError
 from .features import check_implemented, features_in_use
 from .load import ConfigSource, load_config
+from .policies import LossScalePolicy, OptimizerOffload, ParamOffload, TrainingPolicy, ZeroPolicy
 from .schema import Config
 from .schema_features import (
     ActivationCheckpointingConfig,
@@ -26,6 +28,7 @@ from .schema_optim import (
 )
 from .schema_precision import BF16Config, DataTypesConfig, FP16Config
 from .schema_zero import AioConfig, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
+from .specs import OptimizerSpec, SchedulerSpec
 from .values import AUTO, Auto, DType, FrozenDict, OffloadDevice
 
 __all__ = [
@@ -47,13 +50,20 @@ __all__ = [
     "FP16Config",
     "FlopsProfilerConfig",
     "FrozenDict",
+    "LossScalePolicy",
     "OffloadDevice",
     "OffloadOptimizerConfig",
     "OffloadParamConfig",
     "OptimizerConfig",
+    "OptimizerOffload",
+    "OptimizerSpec",
+    "ParamOffload",
     "PipelineConfig",
     "SchedulerConfig",
+    "SchedulerSpec",
+    "TrainingPolicy",
     "ZeroConfig",
+    "ZeroPolicy",
     "check_implemented",
     "features_in_use",
     "load_config",

@@ -7,17 +7,15 @@ Key paths use DeepSpeed's printed names joined by dots (``optimizer.params.lr``,
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .base import Section, json_name, section_type
 from .errors import ConfigError
 from .translate import format_path
 from .values import AUTO, show, thaw
-
-if TYPE_CHECKING:
-    from .schema import Config
 
 _PART = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
 
@@ -44,24 +42,24 @@ def canonical_path(root: type[Section], parts: list[str | int]) -> list[str | in
     return out
 
 
-def unresolved_auto(cfg: Config) -> list[str]:
+def unresolved_auto(cfg: Section) -> list[str]:
     return [format_path(path) for path, value in cfg.iter_leaves() if value is AUTO]
 
 
-def require_resolved(cfg: Config) -> None:
+def require_resolved(cfg: Section) -> None:
     remaining = unresolved_auto(cfg)
     if remaining:
         raise ConfigError([f'{path}: "auto" has not been resolved' for path in remaining])
 
 
-def resolve_auto(cfg: Config, values: Mapping[str, Any]) -> Config:
-    """Replace each ``"auto"`` named in ``values`` and re-validate (batch re-checked)."""
-    from .load import build_config
-
-    data = cfg.source_dict()
+def substitute_auto(data: dict[str, Any], root: type[Section],
+                    values: Mapping[str, Any]) -> dict[str, Any]:
+    """``data`` (a config as written, sections of ``root``) with each ``"auto"`` named in ``values``
+    replaced; the caller re-validates it into a new config. ``data`` itself is left as it is."""
+    data = copy.deepcopy(data)
     problems: list[str] = []
     for path, value in values.items():
-        parts = canonical_path(type(cfg), parse_path(path))
+        parts = canonical_path(root, parse_path(path))
         container: Any = data
         for part in parts[:-1]:
             container = _child(container, part)
@@ -77,7 +75,7 @@ def resolve_auto(cfg: Config, values: Mapping[str, Any]) -> Config:
             container[key] = thaw(value)
     if problems:
         raise ConfigError(problems)
-    return build_config(data, cfg.world_size)
+    return data
 
 
 _MISSING = object()

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import difflib
 import typing
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Annotated, Any, ClassVar
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
 
 from .values import FrozenDict, fail_many, freeze, thaw, unknown_key_message, zobject
 
@@ -24,6 +25,18 @@ _TYPO_CUTOFF = 0.8
 def names(json_name: str, *other_names: str) -> dict[str, Any]:
     """Field kwargs accepting ``json_name`` (printed) and ``other_names`` (also accepted)."""
     return {"alias": json_name, "validation_alias": AliasChoices(json_name, *other_names)}
+
+
+def aliased(json_name: str, *other_names: str, default: Any = PydanticUndefined,
+            default_factory: Callable[[], Any] | None = None) -> Any:
+    """A field known as ``json_name`` (printed) and ``other_names``, with its default.
+
+    Typed ``Any`` on purpose: type checkers then read it as a plain default; they cannot follow
+    ``Field(**names(...))`` (keyword unpacking into a field specifier).
+    """
+    if default_factory is not None:
+        return Field(default_factory=default_factory, **names(json_name, *other_names))
+    return Field(default, **names(json_name, *other_names))
 
 
 def accepted_names(name: str, field: FieldInfo) -> tuple[str, ...]:
@@ -93,7 +106,7 @@ class Section(BaseModel):
         """Two spellings of one setting (``bf16`` and ``bfloat16``...) must not both appear."""
         if not isinstance(data, Mapping):
             return data
-        problems = []
+        problems: list[tuple[tuple[str | int, ...], str]] = []
         for group in cls.alias_groups:
             given = [k for k in group if k in data]
             if len(given) > 1:
@@ -137,7 +150,8 @@ class LooseSection(Section):
         known = set(cls.key_names()) - {"passthrough"}
         kept = {k: v for k, v in data.items() if k in known}
         rest = {k: v for k, v in data.items() if k not in known}
-        typos = [((k,), unknown_key_message(k, sorted(known))) for k in rest
+        typos: list[tuple[tuple[str | int, ...], str]] = [
+            ((k,), unknown_key_message(k, sorted(known))) for k in rest
                  if difflib.get_close_matches(k, sorted(known), n=1, cutoff=_TYPO_CUTOFF)]
         if typos:  # "enable" for "enabled" would otherwise pass through and switch nothing on
             fail_many(typos)
@@ -170,7 +184,7 @@ def dump_value(value: Any) -> Any:
 
 def _leaves(path: tuple[str | int, ...], value: Any) -> Iterator[tuple[tuple[str | int, ...], Any]]:
     if isinstance(value, Section):
-        yield from value.iter_leaves(path)  # type: ignore[arg-type]
+        yield from value.iter_leaves(path)
     elif isinstance(value, Mapping):
         for k, v in value.items():
             yield from _leaves(path + (str(k),), v)

@@ -12,12 +12,10 @@ value shows as ``auto``), so call :meth:`Config.require_resolved` first.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from .schema_root import ConfigSections as Config
 from .values import AUTO, Auto, OffloadDevice
-
-if TYPE_CHECKING:
-    from .schema import Config
 
 
 def _on(flag: bool | Auto) -> bool:

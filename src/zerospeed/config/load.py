@@ -16,13 +16,8 @@ from collections.abc import Mapping
 from typing import Any, Union
 
 import hjson
-from pydantic import ValidationError
-
-from .batch import resolve_batch
 from .errors import ConfigError
 from .schema import Config
-from .translate import config_error
-from .values import Auto
 
 ConfigSource = Union[Config, Mapping[str, Any], str, "os.PathLike[str]"]
 
@@ -110,25 +105,7 @@ def read_source(source: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str,
 
 def build_config(data: Mapping[str, Any], world_size: int) -> Config:
     """Validate ``data`` into a :class:`Config` and settle the batch arithmetic."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ConfigError(f"world_size: {world_size!r} is out of range; expected an integer >= 1")
-    try:
-        cfg = Config.model_validate(data)
-    except ValidationError as err:
-        raise config_error(err, Config) from None
-    batch = (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
-             cfg.gradient_accumulation_steps)
-    given = batch
-    if not cfg.elasticity.enabled and not any(isinstance(v, Auto) for v in batch):
-        sizes = resolve_batch(*batch, world_size=world_size)  # type: ignore[arg-type]
-        cfg = cfg.model_copy(update={
-            "train_batch_size": sizes.train_batch_size,
-            "train_micro_batch_size_per_gpu": sizes.train_micro_batch_size_per_gpu,
-            "gradient_accumulation_steps": sizes.gradient_accumulation_steps,
-        })
-    cfg._world_size = world_size
-    cfg._batch_given = given
-    return cfg
+    return Config.build(data, world_size)
 
 
 def load_config(source: ConfigSource, *, world_size: int = 1) -> Config:

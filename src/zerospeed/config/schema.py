@@ -1,200 +1,36 @@
-"""The root :class:`Config`: every top-level key of a DeepSpeed 0.19 config, typed.
+"""The root :class:`Config`: a DeepSpeed 0.19 config, typed, checked for one world size.
 
 Build one with :func:`zerospeed.config.load_config`, not directly: loading also checks
 the batch arithmetic against the world size and turns every problem into a
-:class:`~zerospeed.config.errors.ConfigError`.
+:class:`~zerospeed.config.errors.ConfigError`. A built config is never changed:
+:meth:`Config.resolve_auto` returns a new one.
 """
 
 from __future__ import annotations
 
 import json
-import warnings
 from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import Any
 
-from pydantic import Field, PrivateAttr, model_validator
+from pydantic import PrivateAttr, ValidationError
 
-from .base import Section, names
+from .auto import require_resolved, substitute_auto, unresolved_auto
+from .batch import resolve_batch
 from .errors import ConfigError
-from .schema_features import (
-    ActivationCheckpointingConfig,
-    AutotuningConfig,
-    CheckpointConfig,
-    CometConfig,
-    CommsLoggerConfig,
-    CompileConfig,
-    CSVMonitorConfig,
-    CurriculumLearningConfig,
-    DataEfficiencyConfig,
-    DataStatesConfig,
-    EigenvalueConfig,
-    ElasticityConfig,
-    FlopsProfilerConfig,
-    HybridEngineConfig,
-    NebulaConfig,
-    OpaqueSection,
-    PipelineConfig,
-    ProgressiveLayerDropConfig,
-    QuantizeTrainingConfig,
-    TensorBoardConfig,
-    TensorParallelConfig,
-    TimersConfig,
-    TrackioConfig,
-    WandbConfig,
-)
-from .schema_optim import OptimizerConfig, SchedulerConfig
-from .schema_precision import (
-    AmpConfig,
-    BF16Config,
-    DataTypesConfig,
-    FP16Config,
-    TorchAutocastConfig,
-)
-from .schema_zero import AioConfig, ZeroConfig
-from .values import (
-    AUTO,
-    Auto,
-    DType,
-    check_int,
-    fail,
-    fail_many,
-    json_kind,
-    show,
-    validator,
-    zbool,
-    zchoice,
-    zdtype,
-    zfloat,
-    zint,
-    zstr,
-)
-
-_BATCH = Annotated[int | Auto | None, zint(ge=1, auto=True, nullable=True)]
+from .features import check_implemented, features_in_use
+from .schema_precision import BF16Config
+from .schema_root import ConfigSections
+from .translate import config_error
+from .values import AUTO, Auto, DType
 
 
-def _steps_per_print(value: Any) -> int | None:
-    """accelerate writes ``float("inf")`` to mean "never print", which is DeepSpeed's ``None``."""
-    if isinstance(value, float) and value == float("inf"):
-        return None
-    return check_int(value, ge=1)
-
-
-_ONEBIT = ("OneBitAdam", "ZeroOneAdam", "OneBitLamb")
-
-
-def _max_grad_norm_as_clipping(data: Mapping[str, Any]) -> Mapping[str, Any]:
-    """``optimizer.params.max_grad_norm`` -> ``gradient_clipping``. DeepSpeed's configs of 2020 (its
-    GPT-2 and BERT examples) clip there, as apex's fused optimizers did, by the global gradient norm;
-    DeepSpeed 0.3 moved it to the top level and later releases refuse the old spelling."""
-    optimizer = data.get("optimizer")
-    params = optimizer.get("params") if isinstance(optimizer, Mapping) else None
-    if not isinstance(params, Mapping) or "max_grad_norm" not in params:
-        return data
-    value = params["max_grad_norm"]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        fail(f"optimizer.params.max_grad_norm: {show(value)} is not a norm; expected a number >= 0 "
-             f"(it is the old spelling of the top-level gradient_clipping)")
-    if "gradient_clipping" in data and data["gradient_clipping"] != value:
-        fail(f"optimizer.params.max_grad_norm ({show(value)}) and gradient_clipping "
-             f"({show(data['gradient_clipping'])}) disagree; max_grad_norm is the old spelling of "
-             f"gradient_clipping: remove it and keep the value you want in gradient_clipping")
-    warnings.warn(f"optimizer.params.max_grad_norm is deprecated (DeepSpeed's 2020 spelling); read as "
-                  f'"gradient_clipping": {show(value)}: move it to the top level', DeprecationWarning, stacklevel=5)
-    rest = {key: v for key, v in params.items() if key != "max_grad_norm"}
-    return {**data, "optimizer": {**optimizer, "params": rest}, "gradient_clipping": value}
-
-
-class Config(Section):
+class Config(ConfigSections):
     """A parsed, frozen DeepSpeed-style configuration.
 
     Attribute names are DeepSpeed's JSON keys (``cfg.zero_optimization.stage``,
     ``cfg.fp16.loss_scale_window``...). ``"auto"`` values stay :data:`AUTO` until
-    :meth:`resolve_auto` replaces them.
+    :meth:`resolve_auto` replaces them (in a new config).
     """
-
-    # -- batch ---------------------------------------------------------------------------
-    train_batch_size: _BATCH = None
-    train_micro_batch_size_per_gpu: _BATCH = None
-    gradient_accumulation_steps: _BATCH = None
-    managed_gradient_accumulation: Annotated[bool, zbool()] = True
-    dataloader_drop_last: Annotated[bool, zbool()] = False
-    sequence_parallel_size: Annotated[int | None, zint(ge=1, nullable=True)] = None
-
-    # -- optimizer ------------------------------------------------------------------------
-    optimizer: OptimizerConfig | None = None
-    scheduler: SchedulerConfig | None = None
-    gradient_clipping: Annotated[float | Auto, zfloat(ge=0, auto=True)] = 1.0  # DeepSpeed 0.19.8
-    zero_allow_untested_optimizer: Annotated[bool, zbool()] = False
-    zero_force_ds_cpu_optimizer: Annotated[bool, zbool()] = True
-
-    # -- precision ------------------------------------------------------------------------
-    fp16: FP16Config = Field(default_factory=FP16Config)
-    bf16: BF16Config = Field(default_factory=BF16Config, **names("bf16", "bfloat16"))
-    amp: AmpConfig = Field(default_factory=AmpConfig)
-    torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
-    data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
-
-    # -- communication --------------------------------------------------------------------
-    communication_data_type: Annotated[DType | None, zdtype(nullable=True)] = None
-    seq_parallel_communication_data_type: Annotated[DType, zdtype()] = DType.FP32
-    prescale_gradients: Annotated[bool, zbool()] = False
-    gradient_predivide_factor: Annotated[float, zfloat(gt=0)] = 1.0
-    gradient_allreduce_op: Annotated[str, zchoice({"mean": "mean", "sum": "sum"},
-                                                  case="lower")] = "mean"
-    disable_allgather: Annotated[bool, zbool()] = False
-    sparse_gradients: Annotated[bool, zbool()] = False
-    graph_harvesting: Annotated[bool, zbool()] = False
-
-    # -- ZeRO and offload -----------------------------------------------------------------
-    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
-    aio: AioConfig = Field(default_factory=AioConfig)
-
-    # -- model parallelism and memory -----------------------------------------------------
-    activation_checkpointing: ActivationCheckpointingConfig = Field(
-        default_factory=ActivationCheckpointingConfig)
-    pipeline: PipelineConfig | None = None
-    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
-    expert_parallel: OpaqueSection | None = None
-    use_data_before_expert_parallelism: Annotated[bool, zbool()] = False
-
-    # -- logging, monitoring, profiling ---------------------------------------------------
-    #: ``None`` = never print; accelerate's ``float("inf")`` is read the same way.
-    steps_per_print: Annotated[int | None, validator(_steps_per_print, "an integer >= 1",
-                                                      nullable=True)] = None
-    wall_clock_breakdown: Annotated[bool, zbool()] = False
-    memory_breakdown: Annotated[bool, zbool()] = False
-    dump_state: Annotated[bool, zbool()] = False
-    log_level: Annotated[str | None, zstr(nullable=True)] = None
-    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
-    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
-    csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig)
-    wandb: WandbConfig = Field(default_factory=WandbConfig)
-    comet: CometConfig = Field(default_factory=CometConfig)
-    trackio: TrackioConfig = Field(default_factory=TrackioConfig)
-    comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
-    timers: TimersConfig = Field(default_factory=TimersConfig)
-
-    # -- checkpointing --------------------------------------------------------------------
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    nebula: NebulaConfig = Field(default_factory=NebulaConfig)
-    datastates: DataStatesConfig = Field(default_factory=DataStatesConfig)
-
-    # -- training techniques zerospeed may never implement ---------------------------------
-    progressive_layer_drop: ProgressiveLayerDropConfig = Field(
-        default_factory=ProgressiveLayerDropConfig)
-    eigenvalue: EigenvalueConfig = Field(default_factory=EigenvalueConfig)
-    elasticity: ElasticityConfig = Field(default_factory=ElasticityConfig)
-    autotuning: AutotuningConfig = Field(default_factory=AutotuningConfig)
-    hybrid_engine: HybridEngineConfig = Field(default_factory=HybridEngineConfig)
-    compile: CompileConfig = Field(default_factory=CompileConfig)
-    data_efficiency: DataEfficiencyConfig = Field(default_factory=DataEfficiencyConfig)
-    curriculum_learning: CurriculumLearningConfig | None = None
-    quantize_training: QuantizeTrainingConfig | None = None
-    compression_training: OpaqueSection | None = None
-    weight_quantization: OpaqueSection | None = None
-    sparse_attention: OpaqueSection | None = None
-    vocabulary_size: Annotated[int | None, zint(ge=1, nullable=True)] = None
-    disable_python_gc: Annotated[bool, zbool()] = False
 
     _world_size: int = PrivateAttr(default=1)
     #: The batch values as written (before derivation), to re-derive for another world size.
@@ -209,30 +45,32 @@ class Config(Section):
     def __hash__(self) -> int:
         return hash((tuple(self.__dict__.values()), self._world_size))
 
-    # -- validation -----------------------------------------------------------------------
 
-    @model_validator(mode="before")
     @classmethod
-    def _legacy_forms(cls, data: Any) -> Any:
-        """``"zero_optimization": true/false`` was DeepSpeed's first ZeRO switch (stage 1/0);
-        ``"aio": null`` means the defaults, as in DeepSpeed."""
-        if isinstance(data, Mapping) and "aio" in data and data["aio"] is None:
-            data = {k: v for k, v in data.items() if k != "aio"}  # DeepSpeed reads null as {}
-        if isinstance(data, Mapping) and isinstance(data.get("zero_optimization"), bool):
-            flag = data["zero_optimization"]
-            warnings.warn('"zero_optimization": true/false is deprecated; use '
-                          '"zero_optimization": {"stage": N}', DeprecationWarning, stacklevel=4)
-            data = {**data, "zero_optimization": {"stage": 1 if flag else 0}}
-        if data is not None and not isinstance(data, Mapping):
-            fail(f"{show(data)} is {json_kind(data)}; a config must be a JSON object")
-        return _max_grad_norm_as_clipping(data) if data is not None else data
-
-    @model_validator(mode="after")
-    def _cross_checks(self) -> Config:
-        problems = _cross_check_problems(self)
-        if problems:
-            fail_many(problems)
-        return self
+    def build(cls, data: Mapping[str, Any], world_size: int) -> Config:
+        """Validate ``data`` and settle the batch arithmetic for ``world_size`` (the one constructor
+        :func:`~zerospeed.config.load_config` uses); the private fields are set here, before
+        anyone holds the config."""
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ConfigError(f"world_size: {world_size!r} is out of range; expected an integer >= 1")
+        try:
+            cfg = cls.model_validate(data)
+        except ValidationError as err:
+            raise config_error(err, cls) from None
+        given = (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
+                 cfg.gradient_accumulation_steps)
+        train, micro, gas = given
+        if (not cfg.elasticity.enabled and not isinstance(train, Auto)
+                and not isinstance(micro, Auto) and not isinstance(gas, Auto)):
+            sizes = resolve_batch(train, micro, gas, world_size=world_size)
+            cfg = cfg.model_copy(update={
+                "train_batch_size": sizes.train_batch_size,
+                "train_micro_batch_size_per_gpu": sizes.train_micro_batch_size_per_gpu,
+                "gradient_accumulation_steps": sizes.gradient_accumulation_steps,
+            })
+        cfg._world_size = world_size
+        cfg._batch_given = given
+        return cfg
 
     # -- convenience ----------------------------------------------------------------------
 
@@ -285,65 +123,25 @@ class Config(Section):
 
     def features_in_use(self) -> tuple[str, ...]:
         """Key paths of every non-default feature this config asks for (see ``features``)."""
-        from .features import features_in_use
-
         return features_in_use(self)
 
     def check_implemented(self, implemented: frozenset[str] | set[str]) -> None:
         """Raise ``NotImplementedError`` naming each requested feature not in ``implemented``."""
-        from .features import check_implemented
-
         check_implemented(self, implemented)
 
     def unresolved_auto(self) -> list[str]:
         """Key paths whose value is still ``"auto"``."""
-        from .auto import unresolved_auto
-
         return unresolved_auto(self)
 
     def resolve_auto(self, values: Mapping[str, Any]) -> Config:
         """A new config with the given ``"auto"`` key paths replaced (batch re-checked)."""
-        from .auto import resolve_auto
-
-        return resolve_auto(self, values)
+        return Config.build(substitute_auto(self.source_dict(), type(self), values), self.world_size)
 
     def require_resolved(self) -> None:
         """Raise :class:`ConfigError` listing every key path that is still ``"auto"``."""
-        from .auto import require_resolved
-
         require_resolved(self)
 
 
-def _is_on(flag: bool | Auto) -> bool:
-    return flag is True
 
 
-def _cross_check_problems(cfg: Config) -> list[tuple[tuple[str | int, ...], str]]:
-    """Combinations DeepSpeed rejects; each problem is ``(key_path, message)``."""
-    problems: list[tuple[tuple[str | int, ...], str]] = []
-    stage = cfg.zero_optimization.stage
-    known_stage = not isinstance(stage, Auto)
-    if _is_on(cfg.fp16.enabled) and _is_on(cfg.bf16.enabled):
-        problems.append((("bf16", "enabled"), "true together with fp16.enabled = true; "
-                                               "enable at most one of fp16 and bf16"))
-    if _is_on(cfg.amp.enabled) and (_is_on(cfg.fp16.enabled) or _is_on(cfg.bf16.enabled)):
-        problems.append((("amp", "enabled"), "true together with fp16/bf16; Apex AMP replaces "
-                                              "DeepSpeed's fp16/bf16 modes, enable only one"))
-    for section, key in (("fp16", "fp16_master_weights_and_grads"),
-                         ("bf16", "bf16_master_weights_and_grads"),
-                         ("bf16", "bf16_optimizer_states")):
-        if getattr(getattr(cfg, section), key) and known_stage and stage == 0:
-            problems.append(((section, key), "true needs ZeRO stage 1, 2 or 3; "
-                                             "zero_optimization.stage is 0"))
-    if cfg.bf16.bf16_optimizer_states and not cfg.bf16.bf16_master_weights_and_grads:
-        problems.append((("bf16", "bf16_optimizer_states"),
-                         "true needs bf16.bf16_master_weights_and_grads = true"))
-    if cfg.gradient_allreduce_op == "sum" and known_stage and stage == 3:
-        problems.append((("gradient_allreduce_op",), '"sum" is not supported with ZeRO stage 3'))
-    if cfg.optimizer is not None and cfg.optimizer.type in _ONEBIT and known_stage and stage > 0:
-        problems.append((("optimizer", "type"), f"{show(cfg.optimizer.type)} cannot be combined "
-                                                f"with ZeRO (zero_optimization.stage is {stage})"))
-    return problems
-
-
-__all__ = ["AUTO", "Auto", "Config"]
+__all__ = ["AUTO", "Auto", "Config", "ConfigSections"]

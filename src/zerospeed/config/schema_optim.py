@@ -261,7 +261,8 @@ def _torch_classes(module_name: str, base_name: str) -> dict[str, type]:
 def _signature_spec(cls: type, skip: tuple[str, ...]) -> dict[str, Param]:
     """A params spec from a constructor signature, typed by each argument's default."""
     spec: dict[str, Param] = {}
-    for name, p in inspect.signature(cls.__init__).parameters.items():
+    init = getattr(cls, "__init__")  # the class's own constructor (not an instance's)
+    for name, p in inspect.signature(init).parameters.items():
         if name in ("self", *skip) or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             continue
         default = p.default

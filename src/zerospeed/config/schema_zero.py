@@ -17,7 +17,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, model_validator
 
-from .base import LooseSection, Section, names
+from .base import LooseSection, Section, aliased
 from .values import (
     Auto,
     FrozenDict,
@@ -114,27 +114,27 @@ class ZeroConfig(Section):
     offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig)
     zenflow: ZenFlowConfig | None = None
     sub_group_size: Annotated[int, zint(ge=0)] = _E9
-    prefetch_bucket_size: Annotated[int | Auto, zint(ge=0, auto=True)] = Field(
-        50_000_000, **names("stage3_prefetch_bucket_size", "prefetch_bucket_size"))
-    param_persistence_threshold: Annotated[int | Auto, zint(ge=0, auto=True)] = Field(
-        100_000, **names("stage3_param_persistence_threshold", "param_persistence_threshold"))
-    model_persistence_threshold: Annotated[int, zint(ge=0)] = Field(
-        sys.maxsize, **names("stage3_model_persistence_threshold", "model_persistence_threshold"))
-    max_live_parameters: Annotated[int, zint(ge=0)] = Field(
-        _E9, **names("stage3_max_live_parameters", "max_live_parameters"))
-    max_reuse_distance: Annotated[int, zint(ge=0)] = Field(
-        _E9, **names("stage3_max_reuse_distance", "max_reuse_distance"))
-    gather_16bit_weights_on_model_save: Annotated[bool | Auto, zbool(auto=True)] = Field(
-        False, **names("stage3_gather_16bit_weights_on_model_save",
-                       "gather_16bit_weights_on_model_save"))
-    module_granularity_threshold: Annotated[int, zint()] = Field(
-        0, **names("stage3_module_granularity_threshold", "module_granularity_threshold"))
-    use_all_reduce_for_fetch_params: Annotated[bool, zbool()] = Field(
-        False, **names("stage3_use_all_reduce_for_fetch_params", "use_all_reduce_for_fetch_params"))
-    allgather_sequential: Annotated[bool, zbool()] = Field(
-        False, **names("stage3_allgather_sequential", "allgather_sequential"))
-    partition_stream_chunk_size: Annotated[int, zint(ge=0)] = Field(
-        0, **names("stage3_partition_stream_chunk_size", "partition_stream_chunk_size"))
+    prefetch_bucket_size: Annotated[int | Auto, zint(ge=0, auto=True)] = aliased(
+        "stage3_prefetch_bucket_size", "prefetch_bucket_size", default=50_000_000)
+    param_persistence_threshold: Annotated[int | Auto, zint(ge=0, auto=True)] = aliased(
+        "stage3_param_persistence_threshold", "param_persistence_threshold", default=100_000)
+    model_persistence_threshold: Annotated[int, zint(ge=0)] = aliased(
+        "stage3_model_persistence_threshold", "model_persistence_threshold", default=sys.maxsize)
+    max_live_parameters: Annotated[int, zint(ge=0)] = aliased(
+        "stage3_max_live_parameters", "max_live_parameters", default=_E9)
+    max_reuse_distance: Annotated[int, zint(ge=0)] = aliased(
+        "stage3_max_reuse_distance", "max_reuse_distance", default=_E9)
+    gather_16bit_weights_on_model_save: Annotated[bool | Auto, zbool(auto=True)] = aliased(
+        "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
+        default=False)
+    module_granularity_threshold: Annotated[int, zint()] = aliased(
+        "stage3_module_granularity_threshold", "module_granularity_threshold", default=0)
+    use_all_reduce_for_fetch_params: Annotated[bool, zbool()] = aliased(
+        "stage3_use_all_reduce_for_fetch_params", "use_all_reduce_for_fetch_params", default=False)
+    allgather_sequential: Annotated[bool, zbool()] = aliased(
+        "stage3_allgather_sequential", "allgather_sequential", default=False)
+    partition_stream_chunk_size: Annotated[int, zint(ge=0)] = aliased(
+        "stage3_partition_stream_chunk_size", "partition_stream_chunk_size", default=0)
     ignore_unused_parameters: Annotated[bool, zbool()] = True
     legacy_stage1: Annotated[bool, zbool()] = False
     round_robin_gradients: Annotated[bool, zbool()] = False
@@ -287,8 +287,8 @@ class AioConfig(Section):
 
     block_size: Annotated[int, zint(ge=1)] = 1_048_576
     queue_depth: Annotated[int, zint(ge=1)] = 8
-    intra_op_parallelism: Annotated[int, zint(ge=1)] = Field(
-        1, **names("intra_op_parallelism", "thread_count"))
+    intra_op_parallelism: Annotated[int, zint(ge=1)] = aliased(
+        "intra_op_parallelism", "thread_count", default=1)
     single_submit: Annotated[bool, zbool()] = False
     overlap_events: Annotated[bool, zbool()] = True
     use_gds: Annotated[bool, zbool()] = False

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 import torch
 
 from zerospeed.accelerator import Accelerator
+from zerospeed.config.policies import OptimizerOffload, ParamOffload, ZeroPolicy
 from zerospeed.config.values import OffloadDevice
 
 
@@ -63,19 +64,19 @@ class StateStore:
     param_buffers: int = 5
 
     @classmethod
-    def from_config(cls, zero_cfg: Any, compute_device: torch.device, accelerator: Accelerator,
+    def from_config(cls, zero_cfg: ZeroPolicy, compute_device: torch.device, accelerator: Accelerator,
                     aio: Any = None) -> "StateStore":
         """The tiers ``zero_optimization`` asks for; ``aio``: the config's ``aio`` section (NVMe)."""
         compute = Tier("device", compute_device)
         opt_cfg, par_cfg = zero_cfg.offload_optimizer, zero_cfg.offload_param
         optimizer = _host_tier(opt_cfg, compute, accelerator)
-        params = _host_tier(par_cfg, compute, accelerator) if int(zero_cfg.stage) == 3 else compute
-        ratio = float(opt_cfg.ratio) if optimizer != compute else 1.0
+        params = _host_tier(par_cfg, compute, accelerator) if zero_cfg.stage == 3 else compute
+        ratio = opt_cfg.ratio if optimizer != compute else 1.0
         # buffer_count slabs: one being updated, one being written back, the rest read ahead
-        lookahead = max(int(opt_cfg.buffer_count) - 2, 1) if opt_cfg.pipeline_read else 1
+        lookahead = max(opt_cfg.buffer_count - 2, 1) if opt_cfg.pipeline_read else 1
         return cls(compute=compute, optimizer=optimizer, params=params, offload_ratio=ratio, aio=aio,
-                   nvme_lookahead=lookahead, params_in_memory=int(par_cfg.max_in_cpu),
-                   param_buffers=int(par_cfg.buffer_count))
+                   nvme_lookahead=lookahead, params_in_memory=par_cfg.max_in_cpu,
+                   param_buffers=par_cfg.buffer_count)
 
     @classmethod
     def on_device(cls, device: torch.device) -> "StateStore":
@@ -119,12 +120,12 @@ class StateStore:
         return "; ".join(parts)
 
 
-def _host_tier(section: Any, compute: Tier, accelerator: Accelerator) -> Tier:
+def _host_tier(section: OptimizerOffload | ParamOffload, compute: Tier, accelerator: Accelerator) -> Tier:
     """CPU memory for ``device: cpu`` (pinned when asked and a CUDA device copies from it), files under
     ``nvme_path`` for ``device: nvme``; else the compute tier."""
     if section.device not in (OffloadDevice.CPU, OffloadDevice.NVME):
         return compute
-    pinned = bool(section.pin_memory) and compute.device.type == "cuda" and accelerator.device_type == "cuda"
+    pinned = section.pin_memory and compute.device.type == "cuda" and accelerator.device_type == "cuda"
     if section.device == OffloadDevice.NVME:
-        return Tier("nvme", torch.device("cpu"), pinned=pinned, path=pathlib.Path(section.nvme_path))
+        return Tier("nvme", torch.device("cpu"), pinned=pinned, path=section.nvme_path)
     return Tier("cpu", torch.device("cpu"), pinned=pinned)

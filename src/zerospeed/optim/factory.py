@@ -19,7 +19,7 @@ import torch
 from torch.optim import Optimizer
 
 from ..config.errors import ConfigError
-from ..config.values import Auto
+from ..config.specs import OptimizerSpec
 from .lamb import Lamb
 
 __all__ = ["OPTIMIZERS", "UNIMPLEMENTED", "build_optimizer"]
@@ -82,26 +82,26 @@ OPTIMIZERS: Mapping[str, Callable[[Params, dict[str, Any]], Optimizer]] = Mappin
     "Adam": _adam("Adam"), "AdamW": _adam("AdamW"), "Adagrad": _adagrad, "Lamb": _lamb})
 
 
-def build_optimizer(cfg_optimizer: Any, params: Params, cpu_offload: bool = False) -> Optimizer | None:
-    """The configured optimizer (``cfg.optimizer``: ``.type``, ``.params``) over ``params``.
+def build_optimizer(spec: OptimizerSpec | None, params: Params, cpu_offload: bool = False) -> Optimizer | None:
+    """The configured optimizer (``OptimizerSpec.from_config(cfg.optimizer)``) over ``params``.
 
     ``params`` is what ``model_parameters`` holds: tensors, ``module.parameters()`` or parameter
     group dicts. Returns None when no optimizer is configured. Raises ``ConfigError`` for
-    unresolved ``"auto"`` values and arguments the optimizer rejects, ``NotImplementedError`` for
-    DeepSpeed optimizers and options zerospeed does not implement.
+    arguments the optimizer rejects (unresolved ``"auto"`` values were refused by the spec),
+    ``NotImplementedError`` for DeepSpeed optimizers and options zerospeed does not implement.
     """
-    if cfg_optimizer is None:
+    if spec is None:
         return None
-    name: str = cfg_optimizer.type
+    name = spec.type
     if name in UNIMPLEMENTED:
         raise NotImplementedError(
             f"optimizer.type: {name!r} is a DeepSpeed optimizer zerospeed does not implement "
             f"yet; use one of {', '.join(OPTIMIZERS)} or a torch.optim class name")
-    kwargs = _kwargs(cfg_optimizer.params)  # (a config's max_grad_norm became gradient_clipping)
+    kwargs = spec.kwargs()  # (a config's max_grad_norm became gradient_clipping)
     build = OPTIMIZERS.get(name) or _torch_class(name)
     try:
         if cpu_offload and name in ("Adam", "AdamW"):
-            return build(params, kwargs, cpu_offload=True)
+            return _adam(name)(params, kwargs, cpu_offload=True)
         return build(params, kwargs)
     except TypeError as err:  # an argument the class does not take
         raise ConfigError(f"optimizer.params ({name}): {err}") from err
@@ -118,32 +118,3 @@ def _torch_class(name: str) -> Callable[[Params, dict[str, Any]], Optimizer]:
         raise ConfigError(f"optimizer.type: {name!r} is neither a DeepSpeed optimizer "
                           f"({', '.join(OPTIMIZERS)}) nor a torch.optim optimizer class")
     return lambda params, kwargs: cls(params, **kwargs)
-
-
-def _kwargs(params: Mapping[str, Any]) -> dict[str, Any]:
-    """Plain keyword arguments from the frozen params; any ``"auto"`` left is an error."""
-    unresolved = [key for key, value in params.items() if _has_auto(value)]
-    if unresolved:
-        raise ConfigError([f'optimizer.params.{key}: still "auto" when building the optimizer; '
-                           "resolve it from the training arguments first or give a value in "
-                           "the config" for key in unresolved])
-    return {key: _plain(value) for key, value in params.items()}
-
-
-def _has_auto(value: Any) -> bool:
-    if isinstance(value, Auto) or (isinstance(value, str) and value == "auto"):
-        return True
-    if isinstance(value, Mapping):
-        return any(_has_auto(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_has_auto(v) for v in value)
-    return False
-
-
-def _plain(value: Any) -> Any:
-    """Frozen mappings -> dicts; tuples (JSON arrays such as ``betas``) stay tuples as torch's."""
-    if isinstance(value, Mapping):
-        return {key: _plain(v) for key, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return tuple(_plain(v) for v in value)
-    return value

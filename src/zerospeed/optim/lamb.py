@@ -179,7 +179,7 @@ def _lamb_update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tenso
                  norm_reducer: Callable[[list[Tensor], Tensor], Tensor] | None = None) -> Tensor:
     """Update same-device, same-dtype tensors in place; returns their trust ratios."""
     if grad_scale != 1.0:
-        grads = torch._foreach_div(grads, grad_scale)
+        grads = list(torch._foreach_div(grads, grad_scale))
     torch._foreach_mul_(exp_avgs, beta1)
     torch._foreach_add_(exp_avgs, grads, alpha=1 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)

@@ -22,7 +22,7 @@ import torch
 from torch.optim import Optimizer
 
 from ..config.errors import ConfigError
-from ..config.values import Auto, thaw
+from ..config.specs import SchedulerSpec
 
 Number = float | int
 PerGroup = Number | Sequence[Number]
@@ -31,7 +31,7 @@ PerGroup = Number | Sequence[Number]
 ONE_CYCLE_BETA2 = 0.99
 
 
-def torch_optimizer(optimizer: Any) -> Optimizer:
+def torch_optimizer(optimizer: object) -> Optimizer:
     """The ``torch.optim.Optimizer`` itself, unwrapping one ``.optimizer`` level (ZeRO/fp16 wrappers)."""
     if isinstance(optimizer, Optimizer):
         return optimizer
@@ -60,7 +60,7 @@ def _check_int(value: Any, name: str, *, minimum: int, fix: str) -> int:
 
 
 def _check_number(value: Any, name: str, *, minimum: float | None = None) -> Number:
-    if isinstance(value, Auto) or (isinstance(value, str) and value == "auto"):
+    if isinstance(value, str) and value == "auto":  # a config's "auto" never gets here (see SchedulerSpec)
         raise ValueError(f"{name}='auto': must be resolved to a number before the schedule is "
                          "built; give a number")
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -419,43 +419,28 @@ SCHEDULES: Mapping[str, type[_Schedule]] = MappingProxyType({
 })
 
 
-def _auto_keys(params: Mapping[str, Any]) -> list[str]:
-    def has_auto(value: Any) -> bool:
-        if isinstance(value, Auto):
-            return True
-        if isinstance(value, (list, tuple)):
-            return any(has_auto(v) for v in value)
-        return False
-
-    return [key for key, value in params.items() if has_auto(value)]
-
-
-def build_scheduler(cfg_scheduler: Any, optimizer: Any) -> Any:
-    """The configured schedule (``cfg.scheduler``: ``.type``, ``.params``) driving ``optimizer``.
+def build_scheduler(spec: SchedulerSpec | None, optimizer: object
+                    ) -> _Schedule | torch.optim.lr_scheduler.LRScheduler | None:
+    """The configured schedule (``SchedulerSpec.from_config(cfg.scheduler)``) driving ``optimizer``.
 
     DeepSpeed names build the classes above; any other name is a ``torch.optim.lr_scheduler``
-    class constructed with the params. ``"auto"`` params must be resolved by the caller first.
+    class constructed with the params (``"auto"`` params were refused by the spec).
     Returns None when no scheduler is configured.
     """
-    if cfg_scheduler is None:
+    if spec is None:
         return None
-    name: str = cfg_scheduler.type
-    params = cfg_scheduler.params
-    unresolved = _auto_keys(params)
-    if unresolved:
-        raise ConfigError([f"scheduler.params.{key}: still \"auto\" when building the {name} "
-                           "schedule; resolve it from the training arguments first or give a "
-                           "value in the config" for key in unresolved])
-    kwargs = {key: thaw(value) for key, value in params.items()}
-    optimizer = torch_optimizer(optimizer)
+    name = spec.type
+    kwargs = spec.kwargs()
+    torch_opt = torch_optimizer(optimizer)
     try:
         if name in SCHEDULES:
-            return SCHEDULES[name](optimizer, **kwargs)
+            return SCHEDULES[name](torch_opt, **kwargs)
         cls = getattr(torch.optim.lr_scheduler, name, None)
         if not isinstance(cls, type):
             raise ConfigError(f"scheduler.type: {name!r} is neither a DeepSpeed schedule "
                               f"({', '.join(SCHEDULES)}) nor a torch.optim.lr_scheduler class")
-        return cls(optimizer, **kwargs)
+        built: torch.optim.lr_scheduler.LRScheduler = cls(torch_opt, **kwargs)
+        return built
     except (ValueError, TypeError) as err:
         if isinstance(err, ConfigError):
             raise

@@ -10,6 +10,7 @@ from .loss_scale import (
     StaticScaler,
     find_inf_or_nan,
     has_inf_or_nan,
+    scaler_for,
 )
 from .loss_scale import from_config as scaler_from_config
 from .policy import MixedPrecisionPolicy, policy_from_config
@@ -24,5 +25,6 @@ __all__ = [
     "find_inf_or_nan",
     "has_inf_or_nan",
     "policy_from_config",
+    "scaler_for",
     "scaler_from_config",
 ]

@@ -17,9 +17,8 @@ from typing import Any
 
 import torch
 
-from ..config.errors import ConfigError
+from ..config.policies import LossScalePolicy
 from ..config.schema_precision import FP16Config
-from ..config.values import Auto
 
 
 class LossScaleAtMinimumError(RuntimeError):
@@ -188,24 +187,27 @@ class DynamicScaler(LossScaler):
                 f"last_overflow_iter={self.last_overflow_iter})")
 
 
+def scaler_for(policy: LossScalePolicy | None) -> LossScaler:
+    """A fresh scaler for a loss-scale policy: None -> :class:`NoScaler`, a fixed scale ->
+    :class:`StaticScaler`, dynamic -> :class:`DynamicScaler` from ``initial_scale``."""
+    if policy is None:
+        return NoScaler()
+    if not policy.dynamic:
+        return StaticScaler(policy.initial_scale)
+    return DynamicScaler(
+        init_scale=policy.initial_scale,
+        scale_window=policy.scale_window,
+        min_scale=policy.min_scale,
+        delayed_shift=policy.hysteresis,
+        consecutive_hysteresis=policy.consecutive_hysteresis,
+    )
+
+
 def from_config(fp16: FP16Config) -> LossScaler:
     """The scaler an ``fp16`` section asks for: disabled -> :class:`NoScaler`,
     ``loss_scale: 0`` -> :class:`DynamicScaler` from ``2**initial_scale_power``,
-    ``loss_scale > 0`` -> :class:`StaticScaler`."""
-    if isinstance(fp16.enabled, Auto):
-        raise ConfigError('fp16.enabled: "auto" is not resolved yet; the loss scaler is '
-                          "undecided (call resolve_auto first)")
-    if not fp16.enabled:
-        return NoScaler()
-    if not fp16.dynamic_loss_scale:
-        return StaticScaler(fp16.loss_scale)
-    return DynamicScaler(
-        init_scale=fp16.initial_dynamic_scale,
-        scale_window=fp16.loss_scale_window,
-        min_scale=fp16.min_loss_scale,
-        delayed_shift=fp16.hysteresis,
-        consecutive_hysteresis=fp16.consecutive_hysteresis,
-    )
+    ``loss_scale > 0`` -> :class:`StaticScaler` (an unresolved ``"auto"`` is a ``ConfigError``)."""
+    return scaler_for(LossScalePolicy.from_fp16(fp16))
 
 
 def _need(state: Mapping[str, Any], key: str, owner: str) -> Any:

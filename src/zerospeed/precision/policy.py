@@ -28,9 +28,9 @@ import torch
 
 from ..config.errors import ConfigError
 from ..config.schema import Config
-from ..config.schema_precision import FP16Config
+from ..config.policies import LossScalePolicy
 from ..config.values import DType
-from .loss_scale import LossScaler, NoScaler, from_config
+from .loss_scale import LossScaler, scaler_for
 
 
 @dataclass(frozen=True)
@@ -40,8 +40,8 @@ class MixedPrecisionPolicy:
     ``param_dtype`` is the model's compute dtype (parameters as the forward sees them);
     ``master_dtype`` is what the optimizer updates; ``grad_accum_dtype`` holds gradients
     summed over micro-batches; ``reduce_dtype`` goes over the wire. ``check_overflow``
-    says whether a non-finite gradient skips the step. ``loss_scaling`` is the ``fp16``
-    section that :meth:`make_scaler` reads, None for no scaling.
+    says whether a non-finite gradient skips the step. ``loss_scaling`` is the fp16 loss
+    scaling that :meth:`make_scaler` follows, None for no scaling.
     """
 
     precision: DType
@@ -50,7 +50,7 @@ class MixedPrecisionPolicy:
     grad_accum_dtype: torch.dtype
     reduce_dtype: torch.dtype
     check_overflow: bool
-    loss_scaling: FP16Config | None = None
+    loss_scaling: LossScalePolicy | None = None
 
     @property
     def needs_master_copy(self) -> bool:
@@ -65,7 +65,7 @@ class MixedPrecisionPolicy:
 
     def make_scaler(self) -> LossScaler:
         """A fresh loss scaler (mutable, so one per engine, never shared)."""
-        return NoScaler() if self.loss_scaling is None else from_config(self.loss_scaling)
+        return scaler_for(self.loss_scaling)
 
     def cast_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """Cast the module's floating parameters and buffers to ``param_dtype`` in place."""
@@ -99,7 +99,7 @@ def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
         if type(value) is dict:
             return cast
         try:
-            return type(value)(cast)
+            return type(value)(cast)  # type: ignore[call-arg]  # a dict subclass or alike
         except TypeError:
             return cast
     return value
@@ -125,7 +125,7 @@ def policy_from_config(cfg: Config) -> MixedPrecisionPolicy:
         grad_accum_dtype=grad_accum,
         reduce_dtype=grad_accum if comm is None else comm.torch_dtype,
         check_overflow=check_overflow,
-        loss_scaling=cfg.fp16 if precision == DType.FP16 else None,
+        loss_scaling=LossScalePolicy.from_fp16(cfg.fp16) if precision == DType.FP16 else None,
     )
 
 

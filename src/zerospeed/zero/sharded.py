@@ -12,12 +12,12 @@ import contextlib
 import logging
 import time
 import uuid
-from typing import Any, ContextManager, Iterator, Sequence
+from typing import ContextManager, Iterator, Sequence
 
 import torch
 from torch import nn
 
-from zerospeed.config.values import OffloadDevice
+from zerospeed.config.policies import ZeroPolicy
 from zerospeed.distributed.comm import Comm
 from zerospeed.offload.nvme import RunDirectory, SlabLease, SwappedSlabs, itemsize
 from zerospeed.offload.store import StateStore
@@ -48,7 +48,7 @@ class ShardedState:
     """This rank's shards of a model's parameters, gradients and optimizer states."""
 
     def __init__(self, model: nn.Module, comm: Comm, *, stage: int, master_dtype: torch.dtype,
-                 accum_dtype: torch.dtype, reduction: ReductionPolicy, zero_cfg: Any,
+                 accum_dtype: torch.dtype, reduction: ReductionPolicy, zero_cfg: ZeroPolicy,
                  external: dict[int, list[nn.Parameter]] | None = None, store: StateStore | None = None,
                  overlap_step: StepOverlap | None = None):
         """``store``: where state lives (default: all on the parameters' device); ``overlap_step``:
@@ -58,8 +58,8 @@ class ShardedState:
         self.stage = stage
         self.module = model
         self.comm = comm
-        bucket = max(int(zero_cfg.reduce_bucket_size), 1)
-        threshold = int(zero_cfg.param_persistence_threshold) if stage == 3 else 0
+        bucket = max(zero_cfg.reduce_bucket_size, 1)
+        threshold = zero_cfg.param_persistence_threshold if stage == 3 else 0
         # stages 1-2: a unit is one reduce-scatter and one all-gather, so small ones are joined (stage
         # 3 gathers each unit around the module that owns it: the module tree's units stay)
         min_unit = min(MIN_UNIT_ELEMS, bucket) if stage < 3 else 0
@@ -71,13 +71,13 @@ class ShardedState:
         self.store = store if store is not None else StateStore.on_device(device)
         self.param_swap: SwappedSlabs | None = None
         self.units = self._build_units(specs, stage)
-        overlap = zero_cfg.overlap_comm is not False  # DeepSpeed's None: on where it matters
+        overlap = zero_cfg.overlap_comm
         self.grads = ShardedGrads(self.units, comm, GradSharding.for_stage(stage), accum_dtype=accum_dtype,
                                   policy=reduction, overlap=overlap,
-                                  max_in_flight_elems=int(zero_cfg.reduce_bucket_size),
+                                  max_in_flight_elems=zero_cfg.reduce_bucket_size,
                                   shard_tiers=self.store.optimizer_tiers([p.shard_numel for p in self.plan.units]))
         self.zero_optimizer = ZeroOptimizer(self.units, comm, master_dtype=master_dtype,
-                                            allgather_bucket_elems=int(zero_cfg.allgather_bucket_size),
+                                            allgather_bucket_elems=zero_cfg.allgather_bucket_size,
                                             store=self.store)
         self.zero_optimizer.grads_in_slabs = not self.grads.sharding.keep_full
         self.zero_optimizer.before_update = self.grads.prepare
@@ -93,9 +93,9 @@ class ShardedState:
         self.last_step_times: dict[str, float] = {}
         self.coordinator: ParamCoordinator | None = None
         if stage == 3:
-            policy = PrefetchPolicy(prefetch_elems=int(zero_cfg.prefetch_bucket_size),
-                                    max_live_elems=int(zero_cfg.max_live_parameters),
-                                    max_reuse_distance=int(zero_cfg.max_reuse_distance),
+            policy = PrefetchPolicy(prefetch_elems=zero_cfg.prefetch_bucket_size,
+                                    max_live_elems=zero_cfg.max_live_parameters,
+                                    max_reuse_distance=zero_cfg.max_reuse_distance,
                                     overlap=overlap)
             self.coordinator = ParamCoordinator(model, self.units, module_users(model, specs, external), policy)
         for u, unit in enumerate(self.units):
@@ -438,8 +438,8 @@ class ShardedState:
                     clear_owner(p)
 
 
-def offloads_optimizer(zero_cfg: Any) -> bool:
-    return zero_cfg.offload_optimizer.device in (OffloadDevice.CPU, OffloadDevice.NVME)
+def offloads_optimizer(zero_cfg: ZeroPolicy) -> bool:
+    return zero_cfg.offloads_optimizer
 
 
 class UnitParamRef(ParamOwner):
