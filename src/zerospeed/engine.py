@@ -23,6 +23,7 @@ from torch import nn
 
 from zerospeed.config import Config
 from zerospeed.distributed.comm import Comm
+from zerospeed.distributed.mesh import Mesh
 from zerospeed.profiling.timers import NoTimers, PhaseTimers
 from zerospeed.zero.grads import ReductionPolicy
 from zerospeed.zero.replicated import ReplicatedState
@@ -41,8 +42,12 @@ class Engine(nn.Module):
 
     def __init__(self, module: nn.Module, cfg: Config, comm: Comm, policy: Any,
                  optimizer: torch.optim.Optimizer | None, lr_scheduler: Any = None, state: Any = None, *,
-                 timers: PhaseTimers | None = None):
+                 timers: PhaseTimers | None = None, mesh: Mesh):
         super().__init__()
+        if mesh.dp is not comm:
+            raise ValueError("Engine(comm=..., mesh=...): comm must be the mesh's data-parallel Comm (mesh.dp)")
+        # Every process group of the job (mpu interface included); ``comm`` is its data-parallel one.
+        self.mesh = mesh
         # wall_clock_breakdown: phases timed (and synchronized) only when the config asks
         self.timers: PhaseTimers = timers if timers is not None else NoTimers()
         self.module = module
