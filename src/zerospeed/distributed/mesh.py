@@ -132,7 +132,7 @@ class ParallelDims:
         made: dict[tuple[tuple[int, ...], ...], ProcessGroup] = {}
         comms: dict[Axis, Comm] = {}
         for axis in AXES:
-            partition = tuple(tuple(g) for g in self.rank_groups(axis))
+            partition = tuple(sorted(tuple(g) for g in self.rank_groups(axis)))  # same sets, same groups
             if partition not in made:
                 made[partition] = groups.new_partition(partition)
             comms[axis] = Comm(made[partition], name=axis, timeout=timeout)
