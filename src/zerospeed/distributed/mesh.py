@@ -186,16 +186,7 @@ class Mesh:
     def get_data_parallel_group_ranks(self) -> list[int]:
         return self.ranks("dp")
 
-    # -- mpu: model parallel (= tensor parallel) -------------------------------------------------
-    def get_model_parallel_group(self) -> ProcessGroup:
-        return self._group("tp")
-
-    def get_model_parallel_rank(self) -> int:
-        return self.comms["tp"].rank
-
-    def get_model_parallel_world_size(self) -> int:
-        return self.comms["tp"].world_size
-
+    # -- mpu: tensor parallel (DeepSpeed's "model parallel") ------------------------------------
     def get_tensor_model_parallel_group(self) -> ProcessGroup:
         return self._group("tp")
 
@@ -209,6 +200,10 @@ class Mesh:
         """The global rank of tensor-parallel rank 0 in this rank's group."""
         return self.comms["tp"].global_ranks[0]
 
+    get_model_parallel_group = get_tensor_model_parallel_group
+    get_model_parallel_rank = get_tensor_model_parallel_rank
+    get_model_parallel_world_size = get_tensor_model_parallel_world_size
+
     # -- mpu: pipeline parallel ------------------------------------------------------------------
     def get_pipe_parallel_group(self) -> ProcessGroup:
         return self._group("pp")
@@ -219,14 +214,9 @@ class Mesh:
     def get_pipe_parallel_world_size(self) -> int:
         return self.comms["pp"].world_size
 
-    def get_pipeline_model_parallel_group(self) -> ProcessGroup:
-        return self._group("pp")
-
-    def get_pipeline_model_parallel_rank(self) -> int:
-        return self.comms["pp"].rank
-
-    def get_pipeline_model_parallel_world_size(self) -> int:
-        return self.comms["pp"].world_size
+    get_pipeline_model_parallel_group = get_pipe_parallel_group  # Megatron's names
+    get_pipeline_model_parallel_rank = get_pipe_parallel_rank
+    get_pipeline_model_parallel_world_size = get_pipe_parallel_world_size
 
     # -- mpu: sequence parallel (degree 1 for now) -----------------------------------------------
     def get_sequence_parallel_group(self) -> ProcessGroup:
