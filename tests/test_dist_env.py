@@ -101,11 +101,11 @@ def test_accelerator_choice() -> None:
 
 def test_parallel_dims_layout() -> None:
     dims = ParallelDims(world_size=8, tp=2, pp=2)
-    assert dims.dp == 2 and dims.shape == (2, 2, 2)
+    assert dims.dp == 2 and dims.shape == (2, 2, 1, 2)  # (pp, dp, sp, tp)
     assert dims.rank_groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert dims.rank_groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert dims.rank_groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert dims.coords(6) == {"pp": 1, "dp": 1, "tp": 0}
+    assert dims.coords(6) == {"pp": 1, "dp": 1, "sp": 0, "tp": 0}
     assert ParallelDims(world_size=3).rank_groups("dp") == [[0, 1, 2]]
 
 
@@ -196,4 +196,6 @@ def _groups_released_while_mesh_lives() -> list[bool]:
 
 def test_a_lingering_mesh_does_not_keep_destroyed_groups_alive() -> None:
     # Groups kept alive until interpreter teardown abort gloo processes at exit.
-    assert run_distributed(_groups_released_while_mesh_lives, 2) == [[False] * 4] * 2
+    from zerospeed.distributed.mesh import AXES
+
+    assert run_distributed(_groups_released_while_mesh_lives, 2) == [[False] * (len(AXES) + 1)] * 2

@@ -23,9 +23,9 @@ _LAZY = {
 }
 
 # Subpackages reachable as attributes after a bare ``import zerospeed`` (``zerospeed.zero.Init``).
-_SUBMODULES = ("zero", "utils", "checkpoint", "ops", "checkpointing")
+_SUBMODULES = ("zero", "utils", "checkpoint", "ops", "checkpointing", "comm")
 
-__all__ = ["__version__", *_LAZY, "zero", "utils", "checkpointing"]
+__all__ = ["__version__", *_LAZY, "zero", "utils", "checkpointing", "comm"]
 
 
 def __getattr__(name: str) -> Any:

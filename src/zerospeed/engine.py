@@ -25,6 +25,7 @@ from zerospeed.config import Config
 from zerospeed.config.policies import TrainingPolicy
 from zerospeed.data.loader import DistributedLoader
 from zerospeed.distributed.comm import Comm
+from zerospeed.distributed.mesh import Mesh
 from zerospeed.precision.policy import MixedPrecisionPolicy
 from zerospeed.profiling.timers import NoTimers, PhaseTimers
 from zerospeed.zero.contract import ModelState
@@ -54,9 +55,13 @@ class Engine(nn.Module):
 
     def __init__(self, module: nn.Module, cfg: Config, comm: Comm, policy: MixedPrecisionPolicy,
                  optimizer: torch.optim.Optimizer | None, lr_scheduler: LRScheduler | None = None, *,
-                 state: ModelState, timers: PhaseTimers | None = None, settings: TrainingPolicy | None = None,
-                 training_dataloader: DistributedLoader | None = None):
+                 state: ModelState, mesh: Mesh, timers: PhaseTimers | None = None,
+                 settings: TrainingPolicy | None = None, training_dataloader: DistributedLoader | None = None):
         super().__init__()
+        if mesh.dp is not comm:
+            raise ValueError("Engine(comm=..., mesh=...): comm must be the mesh's data-parallel Comm (mesh.dp)")
+        # Every process group of the job (mpu interface included); ``comm`` is its data-parallel one.
+        self.mesh = mesh
         # batch sizes, clipping and reporting as plain values (built from ``cfg`` when not given)
         self.settings = settings if settings is not None else TrainingPolicy.from_config(cfg)
         # wall_clock_breakdown: phases timed (and synchronized) only when the config asks

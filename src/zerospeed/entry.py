@@ -17,6 +17,7 @@ from zerospeed.config.specs import OptimizerSpec, SchedulerSpec
 from zerospeed.data.loader import DistributedLoader
 from zerospeed.distributed.comm import Comm
 from zerospeed.distributed.env import DEFAULT_TIMEOUT, init_distributed, process_group_timeout
+from zerospeed.distributed.groups import group_size
 from zerospeed.distributed.mesh import ParallelDims
 from zerospeed.engine import Engine
 from zerospeed.precision.policy import MixedPrecisionPolicy
@@ -74,13 +75,14 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     if source is None:
         raise ValueError("no config: pass config= (a dict or a JSON path) or args with --deepspeed_config")
     info = init_distributed(dist_init_required=dist_init_required)
+    world = group_size()
+    cfg = _resolved_config(source, world)
+    cfg.check_implemented(IMPLEMENTED)  # refuses tensor/pipeline/expert/sequence parallelism by name
     # Collectives time out as the process group was asked to (init_distributed(timeout=...)).
     pg_timeout = process_group_timeout()
-    mesh = ParallelDims(world_size=torch.distributed.get_world_size()).build(
-        **({} if pg_timeout == DEFAULT_TIMEOUT else {"timeout": pg_timeout}))
+    mesh = _parallel_dims(cfg, world).build(**({} if pg_timeout == DEFAULT_TIMEOUT else {"timeout": pg_timeout}))
     comm = mesh.dp
-    cfg = _resolved_config(source, comm.world_size)
-    cfg.check_implemented(IMPLEMENTED)
+    assert comm.world_size == cfg.world_size, "the batch arithmetic must use the data-parallel size"
 
     from zerospeed.precision.policy import policy_from_config
 
@@ -109,14 +111,25 @@ def initialize(args: Any = None, model: nn.Module | None = None,
         loader = DistributedLoader(training_data, micro_batch_size=training.train_micro_batch_size_per_gpu,
                                    rank=comm.rank, world_size=comm.world_size, collate_fn=collate_fn,
                                    drop_last=cfg.dataloader_drop_last)
-    engine = Engine(model, cfg, comm, policy, opt, sched, state=state, timers=_timers(cfg), settings=training,
-                    training_dataloader=loader)
+    engine = Engine(model, cfg, comm, policy, opt, sched, state=state, mesh=mesh, timers=_timers(cfg),
+                    settings=training, training_dataloader=loader)
     _ensure_log_handler()
     if comm.rank == 0:
         log.info("zerospeed config (resolved, every default in force):\n%s", cfg.to_json())
         if offload or state.stage == 3 and zero.offload_param.enabled:
             log.info("offload: %s", state.describe_offload())
     return engine, opt, loader, sched
+
+
+def _parallel_dims(cfg: Config, world_size: int) -> ParallelDims:
+    """The mesh's degrees from the config sections that name them (every one is 1 until its
+    parallelism lands: ``check_implemented`` refuses the sections). Expert parallelism's degree
+    comes from the model's MoE layers (``ep_size``), not from the config."""
+    tp = cfg.tensor_parallel.autotp_size or 1  # 0 means off
+    stages = cfg.pipeline.stages if cfg.pipeline is not None else 1
+    pp = stages if isinstance(stages, int) else 1  # "auto": from the PipelineModule, later
+    sp = cfg.sequence_parallel_size or 1
+    return ParallelDims(world_size=world_size, tp=tp, pp=pp, sp=sp)
 
 
 def _timers(cfg: Config) -> PhaseTimers:

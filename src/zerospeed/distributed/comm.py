@@ -36,7 +36,7 @@ import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -52,6 +52,26 @@ _NATIVE_OPS = MappingProxyType({
     "min": dist.ReduceOp.MIN,
     "product": dist.ReduceOp.PRODUCT,
 })
+
+
+# torch's reduction enum, as ``zerospeed.comm.ReduceOp`` (DeepSpeed users write ``dist.ReduceOp.SUM``).
+ReduceOp = dist.ReduceOp
+_OP_NAMES: Mapping["dist.ReduceOp.RedOpType", ReduceOpName] = MappingProxyType({
+    dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.MAX: "max",
+    dist.ReduceOp.MIN: "min", dist.ReduceOp.PRODUCT: "product",
+})
+
+
+def reduce_op_name(op: "dist.ReduceOp | dist.ReduceOp.RedOpType | ReduceOpName") -> ReduceOpName:
+    """Comm's name for a torch ``ReduceOp`` (or a name, returned as it is once checked)."""
+    if isinstance(op, str):
+        if op not in _NATIVE_OPS:
+            raise ValueError(f"op={op!r} is not a reduction; expected one of {', '.join(_NATIVE_OPS)}")
+        return op  # type: ignore[return-value]
+    try:
+        return _OP_NAMES[op]
+    except (KeyError, TypeError):
+        raise ValueError(f"op={op!r} is not supported; use ReduceOp.SUM, AVG, MAX, MIN or PRODUCT") from None
 
 
 # Backends whose all_gather / reduce_scatter are known to be right when this rank's part of the
@@ -476,11 +496,11 @@ class Comm:
 
         return self._run("all_to_all", seq, work, async_op, finish)
 
-    def barrier(self) -> None:
+    def barrier(self, async_op: bool = False) -> Handle | None:
         """Wait until every rank of the group gets here (an all_reduce of one element, so it times out)."""
         seq = self._enter("barrier", 0)
         work = dist.all_reduce(self._scratch(1), group=self.group, async_op=True)
-        self._run("barrier", seq, work, async_op=False)
+        return self._run("barrier", seq, work, async_op)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Gather a small picklable object from every rank (for checks, not for tensors).

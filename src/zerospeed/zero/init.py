@@ -23,10 +23,11 @@ import weakref
 from typing import Any, Iterable, Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from zerospeed.distributed.comm import Comm
+from zerospeed.distributed.groups import is_initialized
+from zerospeed.distributed.mesh import Mesh
 from zerospeed.zero.flat_param import FlatParamUnit
 from zerospeed.zero.owner import InitOwner, engine_owner, init_partition, owner_of, set_owner
 
@@ -131,18 +132,22 @@ class Init(contextlib.ContextDecorator):
     ``remote_device``: where the partitions wait for :func:`zerospeed.initialize` — ``"cpu"``
     (memory), or ``"nvme"`` (swap files under the config's ``offload_param.nvme_path``); default:
     ``"nvme"`` when the config puts ``offload_param`` there, else memory.
-    Needs an initialized process group (:func:`zerospeed.init_distributed`).
+    Partitions are made over ``comm``, or ``mesh``'s data-parallel Comm; given neither, over every
+    rank (the process group is started if it is not up: :func:`zerospeed.init_distributed`).
     """
 
     def __init__(self, module: nn.Module | None = None, *, config: Any = None, config_dict_or_path: Any = None,
                  enabled: bool = True, dtype: torch.dtype | None = None, comm: Comm | None = None,
-                 remote_device: str | None = None, **ignored: Any):
+                 mesh: Mesh | None = None, remote_device: str | None = None, **ignored: Any):
+        if comm is not None and mesh is not None and comm is not mesh.dp:
+            raise ValueError("zero.Init(comm=..., mesh=...): comm must be the mesh's data-parallel Comm "
+                             "(mesh.dp); pass one of them")
         self.enabled = enabled
         cfg = _load(config if config is not None else config_dict_or_path)
         self.dtype = dtype if dtype is not None else _dtype_from(cfg)
         self._nvme = _nvme_target(cfg, remote_device)  # (nvme_path, aio section) or None
         self._stash: NvmeStash | None = None
-        self._comm = comm
+        self._comm = comm if comm is not None else (mesh.dp if mesh is not None else None)
         self._patched: list[tuple[type, Any]] = []
         if module is not None and enabled:  # DeepSpeed's Init(module=...) partitions an existing model
             for sub in module.modules():
@@ -150,8 +155,8 @@ class Init(contextlib.ContextDecorator):
 
     @property
     def comm(self) -> Comm:
-        if self._comm is None:
-            if not dist.is_initialized():
+        if self._comm is None:  # called outside initialize with no group given: every rank
+            if not is_initialized():
                 from zerospeed.distributed.env import init_distributed
 
                 init_distributed()
