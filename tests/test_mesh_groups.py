@@ -102,13 +102,13 @@ def test_meshes_on_four_ranks_match_the_hand_written_tables() -> None:
 def _engine_keeps_the_mesh() -> dict:
     import zerospeed
     from zerospeed.distributed.mesh import Mesh, ParallelDims
-    from zerospeed.zero.flat_param import OWNER
+    from zerospeed.zero.owner import init_partition
 
     torch.manual_seed(0)
     init_mesh = ParallelDims(world_size=2).build()
     with zerospeed.zero.Init(mesh=init_mesh):
         model = nn.Linear(4, 4)
-    init_comm_is_mesh_dp = getattr(model.weight, OWNER).comm is init_mesh.dp
+    init_comm_is_mesh_dp = init_partition(model.weight).comm is init_mesh.dp
     try:
         zerospeed.zero.Init(mesh=init_mesh, comm=init_mesh.comm("tp"))
         mismatch = ""
