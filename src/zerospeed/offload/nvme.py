@@ -500,9 +500,9 @@ def _numel(shape: tuple[int, ...]) -> int:
 class LeaseState(enum.Enum):
     """Whether a :class:`SlabLease` is held, and whether a holder changed the slab."""
 
-    FREE = "free"  # no holder: the slab is in its file (or its last write-back failed: CHANGED stays)
+    FREE = "free"  # no holder: the slab is in its file
     HELD = "held"  # held, unchanged since it was read
-    CHANGED = "changed"  # held (or kept after a failed write-back), changed: written back at the last release
+    CHANGED = "changed"  # changed by a holder: written back at the last release (stays, unheld, if that failed)
 
 
 _LEASE = Transitions("a slab lease", {
