@@ -26,7 +26,7 @@ import shutil
 import time
 import weakref
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Protocol, Sequence
+from typing import Callable, Generator, Iterable, Iterator, Protocol, Sequence
 
 import torch
 
@@ -404,7 +404,7 @@ class SwappedSlabs:
                 for i in loaded:
                     self._release(i)
 
-    def stream(self, order: Sequence[int], write_back: bool = True) -> Iterator[int]:
+    def stream(self, order: Sequence[int], write_back: bool = True) -> Generator[int, None, None]:
         """Yield each index of ``order`` once its slab is resident; after the consumer moves on, the
         slab is written back (``write_back``) while the next ones are used, and released once written.
         The next ``lookahead`` slabs are read while one is in use: only the read of the slab about

@@ -86,8 +86,8 @@ class NvmeTier(StateTier):
     path: pathlib.Path  # the directory under which this run's swap files go
     pinned: bool = False
     aio: AioConfig | None = field(default=None, compare=False)  # block size, queue depth... (None: defaults)
-    name: ClassVar[str] = "nvme"
-    device: ClassVar[torch.device] = CPU
+    name: str = field(default="nvme", init=False)
+    device: torch.device = field(default=CPU, init=False)  # slabs are read into CPU memory
     swaps: ClassVar[bool] = True
 
     def describe(self) -> str:
@@ -111,6 +111,7 @@ def host_tier(section: OffloadOptimizerConfig | OffloadParamConfig, compute: Mem
     ``device: nvme``; else the compute tier."""
     pinned = bool(section.pin_memory) and pin
     if section.device == OffloadDevice.NVME:
+        assert section.nvme_path is not None  # the config requires it with device nvme
         return NvmeTier(pathlib.Path(section.nvme_path), pinned=pinned, aio=aio)
     if section.device == OffloadDevice.CPU:
         return MemoryTier("cpu", CPU, pinned=pinned)

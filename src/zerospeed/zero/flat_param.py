@@ -141,13 +141,15 @@ class FlatParamUnit:
         self._pending = self.comm.all_gather(self.full, source, async_op=True)
 
     def wait(self) -> None:
+        lease = self.shard_lease  # set whenever the gather holds the shard (NVMe tier)
         if self._gather_after_read:
             self._gather_after_read = False
+            assert lease is not None
             try:
-                self.shard_lease.ready()
+                lease.ready()
             except BaseException:  # the shard could not be read: nothing was gathered, let go of it all
                 self._gather_holds_shard = False
-                self.shard_lease.release()
+                lease.release()
                 self.release()  # frees ``full`` again
                 raise
             self._launch_gather()
@@ -157,7 +159,8 @@ class FlatParamUnit:
             self._staged = None
         if self._gather_holds_shard:
             self._gather_holds_shard = False
-            self.shard_lease.release()
+            assert lease is not None
+            lease.release()
 
     def shard_resident(self, write_back: bool = False) -> ContextManager[None]:
         """``shard`` in memory inside the block (NVMe tier; ``write_back`` when the block changes it)."""

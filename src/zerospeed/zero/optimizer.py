@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from zerospeed.distributed.comm import Comm, Handle
-from zerospeed.offload.run import MemoryStorage, TierStorage
+from zerospeed.offload import MemoryStorage, SlabLease, TierStorage
 from zerospeed.offload.store import StateStore
 from zerospeed.offload.tier import MemoryTier, StateTier
 from zerospeed.ops.cpu_optimizer import CPUOptimizer
@@ -229,7 +229,7 @@ class ZeroOptimizer:
         everything = [group["params"] for group in groups]
         order = range(len(self.units))
         stream = self.swapped.stream(order) if self.swapped is not None else iter(order)
-        prefetched: list[int] = []  # units whose NVMe-tier parameter shard is being read ahead
+        prefetched: list[tuple[int, SlabLease]] = []  # units whose NVMe-tier parameter shard is read ahead
         try:
             # closed on the way out, so a failed step releases its unit at once (its file untouched)
             with contextlib.closing(stream) if self.swapped is not None else contextlib.nullcontext():
@@ -238,7 +238,7 @@ class ZeroOptimizer:
                     following = self.units[u + 1].shard_lease if u + 1 < len(self.units) else None
                     if following is not None:  # the next unit's shard is read while this one updates
                         following.acquire(wait=False)
-                        prefetched.append(u + 1)
+                        prefetched.append((u + 1, following))
                     with unit.shard_resident(write_back=True):  # an NVMe-tier shard: in, updated, out
                         unit_copied = u in copied
                         if u not in done:
@@ -256,14 +256,14 @@ class ZeroOptimizer:
                         # a swapped master or shard is released after this: copy before moving on
                         publisher.publish(unit, master, copied=unit_copied,
                                           blocking=swapped or unit.shard_lease is not None)
-                    if prefetched and prefetched[0] == u:
-                        prefetched.pop(0)
-                        unit.shard_lease.release()  # the update above (if any) marked it to be written
+                    if prefetched and prefetched[0][0] == u:
+                        _, lease = prefetched.pop(0)
+                        lease.release()  # the update above (if any) marked it to be written
         finally:
             for group, params in zip(groups, everything):
                 group["params"] = params
-            for v in prefetched:  # a failed step: let go of the reads ahead
-                self.units[v].shard_lease.release()
+            for _, lease in prefetched:  # a failed step: let go of the reads ahead
+                lease.release()
 
     def step_units(self, units: Sequence[int], grads: dict[int, torch.Tensor],
                    copy_out: dict[int, dict[int, torch.Tensor]] | None) -> None:

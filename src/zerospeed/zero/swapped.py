@@ -22,11 +22,11 @@ they are created here as zeros, exactly as those optimizers would create them.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Generator, Iterator, Sequence
 
 import torch
 
-from zerospeed.offload import IOWait, NvmeRun, RunDirectory, SwappedSlabs
+from zerospeed.offload import IOWait, RunDirectory, SwappedSlabs, TierStorage
 from zerospeed.ops.adagrad import CPUAdagrad
 from zerospeed.ops.adam import CPUAdam
 from zerospeed.ops.lion import CPULion
@@ -51,7 +51,7 @@ def per_element_states(optimizer: torch.optim.Optimizer) -> tuple[tuple[str, ...
 class SwappedOptimizerState:
     """The NVMe-tier units of a :class:`ZeroOptimizer`: their masters and states live in slab files."""
 
-    def __init__(self, units: Sequence[int], *, run: NvmeRun, lookahead: int = 1):
+    def __init__(self, units: Sequence[int], *, run: TierStorage, lookahead: int = 1):
         """``run``: the NVMe run the slabs go in (owned from now on: :meth:`close` closes it)."""
         self.units = list(units)
         self.run = run
@@ -64,7 +64,9 @@ class SwappedOptimizerState:
 
     @property
     def directory(self) -> RunDirectory:
-        return self.run.directory
+        """The run directory the slabs are in (once built)."""
+        assert self.slabs is not None
+        return self.slabs.directory
 
     def build(self, optimizer: torch.optim.Optimizer, masters: list[torch.Tensor],
               pieces: Sequence[tuple[torch.nn.Parameter, int, int, int]], initial_states: dict[int, dict],
@@ -152,7 +154,7 @@ class SwappedOptimizerState:
     def swapped(self, unit_index: int) -> bool:
         return unit_index in self._slab_of
 
-    def stream(self, order: Sequence[int], write_back: bool = True) -> Iterator[int]:
+    def stream(self, order: Sequence[int], write_back: bool = True) -> Generator[int, None, None]:
         """Yield the units of ``order`` in turn, each resident while the consumer holds it (units of
         other tiers pass straight through)."""
         assert self.slabs is not None
