@@ -18,7 +18,7 @@ import torch
 
 from zerospeed.config import load_config
 from zerospeed.offload.nvme import SlabBuffers
-from zerospeed.ops import aio_file
+from zerospeed.offload import aio_file
 from zerospeed.ops.aio import AioShortReadError, AsyncIOHandle
 
 ALIGN = 4096

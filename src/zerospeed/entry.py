@@ -222,11 +222,11 @@ def _model_state(model: nn.Module, cfg: Config, comm: Comm, policy: MixedPrecisi
 
     device = next(model.parameters()).device
     store = StateStore.from_config(zero, device, get_accelerator(), aio=cfg.aio)
-    if not has_optimizer and store.optimizer.name == "nvme":
+    if not has_optimizer and store.optimizer.swaps:
         # no optimizer (inference, evaluation): there are no states to swap, so nothing goes to NVMe
         log.info("zero_optimization.offload_optimizer.device is nvme but there is no optimizer: nothing to offload")
         store = dataclasses.replace(store, optimizer=store.compute, offload_ratio=1.0)
-    overlap = StepOverlap.decide(offloaded=store.offloads_optimizer, swapped="nvme" in (store.optimizer.name, store.params.name),
+    overlap = StepOverlap.decide(offloaded=store.offloads_optimizer, swapped=store.swaps,
                                  clipping=training.gradient_clipping,
                                  loss_scaled=policy.loss_scaling is not None, overflow_checked=policy.check_overflow,
                                  sub_group_size=zero.sub_group_size)

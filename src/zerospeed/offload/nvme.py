@@ -18,6 +18,7 @@ checked before anything is written.
 from __future__ import annotations
 
 import contextlib
+import enum
 import errno
 import mmap
 import os
@@ -25,11 +26,12 @@ import shutil
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Callable, Generator, Iterable, Iterator, Protocol, Sequence
 
 import torch
 
-from zerospeed.ops.aio_file import io_memory
+from zerospeed.offload.aio_file import io_memory
+from zerospeed.offload.lifecycle import Transitions
 
 GIB = 1 << 30
 
@@ -91,7 +93,7 @@ class SlabBuffers:
     Why not a fresh tensor per read: slabs are read in and released many times a step, and glibc
     keeps freed chunks below its (self-raising) mmap threshold in the heap, so the process's memory
     creeps far past what is resident (measured: a 0.24B-parameter run peaked at 4.3 GiB this way,
-    1.8 GiB with these buffers). Buffers are anonymous mappings (:func:`zerospeed.ops.aio_file.io_memory`:
+    1.8 GiB with these buffers). Buffers are anonymous mappings (:func:`zerospeed.offload.aio_file.io_memory`:
     private and on huge pages, which reads fill 1.5x faster than shared maps), returned to the system
     when dropped, and page-aligned, so O_DIRECT moves their bytes without a bounce copy. Every buffer is
     as large as the largest slab seen (DeepSpeed's fixed ``buffer_size``, here taken from the plan), so
@@ -125,15 +127,54 @@ class SlabBuffers:
         self._free = []
 
 
+class IOWait(Protocol):
+    """A submitted transfer (:class:`zerospeed.offload.aio.IORequest`)."""
+
+    def done(self) -> bool: ...
+
+    def wait(self) -> int: ...
+
+
+class IOEngine(Protocol):
+    """What slabs ask of the async I/O engine (:class:`zerospeed.offload.aio.AsyncIOHandle`)."""
+
+    def submit_pread(self, tensor: torch.Tensor, path: str, offset: int = 0) -> IOWait: ...
+
+    def submit_pwrite(self, tensor: torch.Tensor, path: str, offset: int = 0) -> IOWait: ...
+
+
+class SlabState(enum.Enum):
+    """Where one slab's values are."""
+
+    OUT = "out"  # in its file only (its views are empty)
+    READING = "reading"  # a read into its buffer is in flight
+    RESIDENT = "resident"  # in memory
+    WRITING = "writing"  # in memory, being written back
+    SAVED = "saved"  # written back, its memory not yet released
+    UNSAVED = "unsaved"  # in memory, its write-back failed: the memory is the only good copy
+
+
+_SLAB = Transitions("a slab", {
+    SlabState.OUT: frozenset({SlabState.READING}),
+    SlabState.READING: frozenset({SlabState.RESIDENT, SlabState.OUT}),  # landed / failed or unused
+    SlabState.RESIDENT: frozenset({SlabState.WRITING, SlabState.OUT}),  # written back / unchanged, dropped
+    SlabState.WRITING: frozenset({SlabState.SAVED, SlabState.UNSAVED}),
+    SlabState.SAVED: frozenset({SlabState.OUT}),
+    SlabState.UNSAVED: frozenset({SlabState.WRITING, SlabState.OUT}),  # written again / dropped (closing)
+})
+
+
 class SwappedSlabs:
     """Flat tensors kept in files of a :class:`RunDirectory` and made resident on demand (see the
-    module docstring). ``aio`` is a :class:`zerospeed.ops.aio.AsyncIOHandle`."""
+    module docstring). Each slab's lifecycle is a :class:`SlabState`, moved only as ``_SLAB`` allows."""
 
-    def __init__(self, slabs: Sequence[torch.Tensor], directory: RunDirectory, aio: Any, *, lookahead: int = 1,
-                 name: str = "slab", attach: Sequence[Sequence[torch.Tensor]] | None = None):
+    def __init__(self, slabs: Sequence[torch.Tensor], directory: RunDirectory, aio: IOEngine, *, lookahead: int = 1,
+                 name: str = "slab", attach: Sequence[Sequence[torch.Tensor]] | None = None,
+                 keep_buffers: int | None = None):
         """``slabs``: the flat, contiguous CPU tensors to manage; ``attach[i]``: views of slab ``i`` to
         keep pointing into it (see :meth:`attach`). Each is written out and released; more can be
-        :meth:`add`-ed one at a time (so they need not all be in memory together)."""
+        :meth:`add`-ed one at a time (so they need not all be in memory together). ``keep_buffers``:
+        free buffers kept for reuse (default ``lookahead + 2``, the most a :meth:`stream` holds)."""
         self.directory = directory
         self.aio = aio
         self.lookahead = max(int(lookahead), 0)
@@ -142,17 +183,16 @@ class SwappedSlabs:
         self.slabs: list[torch.Tensor] = []  # resident: the slab; swapped out: an empty tensor
         self.numels: list[int] = []
         self.dtypes: list[torch.dtype] = []
-        self.buffers = SlabBuffers(keep=self.lookahead + 2)
+        self.buffers = SlabBuffers(keep=self.lookahead + 2 if keep_buffers is None else keep_buffers)
         self._buffer_of: dict[int, torch.Tensor] = {}  # slab index -> the pool buffer it is resident in
         self.nbytes: list[int] = []
         self.kept: list[int] = []  # bytes of each slab's head that write-back stores (the rest: scratch)
         self.paths: list[Path] = []
-        self.resident: list[bool] = []
+        self.states: list[SlabState] = []
         self.views: list[list[tuple[torch.Tensor, int, tuple[int, ...]]]] = []
         self._empty: dict[torch.dtype, torch.Tensor] = {}
         self.bytes_read = 0
         self.bytes_written = 0
-        self.unsaved: set[int] = set()  # resident slabs whose write-back failed: their memory is the only copy
         self.read_wait = 0.0  # seconds the caller spent blocked waiting for reads / writes
         self.write_wait = 0.0
         directory.check_room(sum(s.numel() * s.element_size() for s in slabs), f"swapping {len(slabs)} {name}s")
@@ -183,7 +223,7 @@ class SwappedSlabs:
             raise ValueError(f"{self.name} {index}: keep_numel {keep_numel} is outside 1..{slab.numel()}")
         self.kept.append(kept * slab.element_size())
         self.paths.append(self.directory.file(f"{self.name}{index}.bin"))
-        self.resident.append(True)
+        self.states.append(SlabState.RESIDENT)
         self.views.append([])
         for view in views:
             self.attach(index, view)
@@ -196,13 +236,25 @@ class SwappedSlabs:
         """Keep ``view`` (a tensor viewing slab ``index``, e.g. an optimizer state) pointing into the
         slab while it is resident, and empty while it is not."""
         slab = self.slabs[index]
-        if not self.resident[index]:
+        if self.states[index] is SlabState.OUT:
             raise RuntimeError(f"slab {index} is swapped out; attach views while it is resident")
         offset = (view.data_ptr() - slab.data_ptr()) // slab.element_size()
         if view.untyped_storage().data_ptr() != slab.untyped_storage().data_ptr() or not view.is_contiguous() \
                 or not 0 <= offset <= slab.numel() - view.numel():
             raise ValueError(f"slab {index}: attached tensors must be contiguous views of the slab")
         self.views[index].append((view, offset, tuple(view.shape)))
+
+    @property
+    def resident(self) -> list[bool]:
+        """Per slab: does it hold memory now (anything but :attr:`SlabState.OUT`)?"""
+        return [state is not SlabState.OUT for state in self.states]
+
+    def lease(self, index: int) -> "SlabLease":
+        """Shared residency of slab ``index`` (see :class:`SlabLease`)."""
+        return SlabLease(self, index)
+
+    def _move(self, i: int, new: SlabState) -> None:
+        self.states[i] = _SLAB.check(f"{self.name} {i}", self.states[i], new)
 
     # -- single moves -----------------------------------------------------------------------------
     def _allocate(self, i: int) -> None:
@@ -214,8 +266,14 @@ class SwappedSlabs:
             for view, offset, shape in self.views[i]:
                 view.data = slab[offset: offset + _numel(shape)].view(shape)
 
-    def _release(self, i: int) -> None:
-        self.unsaved.discard(i)
+    def _release(self, i: int, closing: bool = False) -> None:
+        """Give slab ``i``'s memory back (``closing``: whatever its state; every transfer has ended)."""
+        if self.states[i] is SlabState.OUT:
+            return
+        if closing:
+            self.states[i] = SlabState.OUT
+        else:
+            self._move(i, SlabState.OUT)
         dtype = self.dtypes[i]
         empty = self._empty.setdefault(dtype, torch.empty(0, dtype=dtype))
         for view, _, _ in self.views[i]:
@@ -228,34 +286,33 @@ class SwappedSlabs:
             if storage.resizable():
                 storage.resize_(0)
         self.slabs[i] = empty
-        self.resident[i] = False
 
     def swap_in(self, indices: Iterable[int]) -> None:
         """Make slabs resident (read, waited for). If a read fails, the slabs being read are released
         again (their files are unchanged) and the error is raised."""
-        wanted = [i for i in indices if not self.resident[i]]
+        wanted = [i for i in indices if self.states[i] is SlabState.OUT]
         requests = [(i, self._start_read(i)) for i in wanted]
         self._wait_reads(requests)
 
     def swap_out(self, indices: Iterable[int]) -> None:
         """Write slabs back and release them (waited for). A slab whose write failed stays resident
         (its values are the only good copy) and the error is raised."""
-        wanted = [i for i in indices if self.resident[i]]
+        wanted = [i for i in indices if self.states[i] is not SlabState.OUT]
         requests = [(i, self._start_write(i)) for i in wanted]
         self._wait_writes(requests)
 
-    def start_read(self, i: int) -> Any:
+    def start_read(self, i: int) -> IOWait | None:
         """Begin making slab ``i`` resident (None when it already is); :meth:`finish_read` waits for it."""
-        return None if self.resident[i] else self._start_read(i)
+        return self._start_read(i) if self.states[i] is SlabState.OUT else None
 
-    def finish_read(self, i: int, request: Any) -> None:
+    def finish_read(self, i: int, request: IOWait | None) -> None:
         """Wait for a :meth:`start_read` (releasing the slab again if the read failed)."""
         if request is not None:
             self._wait_reads([(i, request)])
 
-    def _start_read(self, i: int) -> Any:
+    def _start_read(self, i: int) -> IOWait:
+        self._move(i, SlabState.READING)
         self._allocate(i)
-        self.resident[i] = True
         try:
             request = self.aio.submit_pread(self.slabs[i], str(self.paths[i]), 0)
         except BaseException:
@@ -264,13 +321,16 @@ class SwappedSlabs:
         self.bytes_read += self.nbytes[i]
         return request
 
-    def _start_write(self, i: int) -> Any:
-        self.bytes_written += self.kept[i]
+    def _start_write(self, i: int) -> IOWait:
+        _SLAB.check(f"{self.name} {i}", self.states[i], SlabState.WRITING)  # before any byte reaches the file
         head = self.slabs[i][: self.kept[i] // itemsize(self.dtypes[i])]
-        return self.aio.submit_pwrite(head, str(self.paths[i]), 0)
+        request = self.aio.submit_pwrite(head, str(self.paths[i]), 0)
+        self.states[i] = SlabState.WRITING
+        self.bytes_written += self.kept[i]
+        return request
 
     # -- regions of a swapped-out slab ----------------------------------------------------------
-    def write_region(self, i: int, values: torch.Tensor, offset: int) -> Any:
+    def write_region(self, i: int, values: torch.Tensor, offset: int) -> IOWait:
         """Start writing ``values`` (contiguous, the slab's dtype) at element ``offset`` of slab ``i``'s
         file, while the slab is swapped out; returns the request (keep ``values`` alive until it is
         waited for)."""
@@ -288,7 +348,7 @@ class SwappedSlabs:
         finally:
             self.read_wait += time.perf_counter() - start
 
-    def wait_region_writes(self, requests: Sequence[Any]) -> None:
+    def wait_region_writes(self, requests: Sequence[IOWait]) -> None:
         """Wait for :meth:`write_region` requests (all of them, then raise the first error)."""
         seconds, error = _wait_each([(-1, request) for request in requests])
         self.write_wait += seconds
@@ -297,37 +357,43 @@ class SwappedSlabs:
 
     def _check_region(self, i: int, values: torch.Tensor, offset: int) -> None:
         numel, dtype = self.numels[i], self.dtypes[i]
-        if self.resident[i]:
+        if self.states[i] is not SlabState.OUT:
             raise RuntimeError(f"{self.name} {i} is resident: use the slab in memory, not its file")
         if values.dtype != dtype or not values.is_contiguous() or values.device.type != "cpu" \
                 or not 0 <= offset <= numel - values.numel():
             raise ValueError(f"{self.name} {i}: a region must be a contiguous CPU {dtype} tensor inside the "
                              f"slab (offset {offset}, {values.numel()} of {numel} elements)")
 
-    def _wait_reads(self, requests: list[tuple[int, Any]]) -> None:
+    def _wait_reads(self, requests: list[tuple[int, IOWait]]) -> None:
         # a slab partly read is not to be used (its file still holds the values)
-        seconds, error = _wait_each(requests, failed=self._release)
+        seconds, error = _wait_each(requests, failed=self._release, done=self._landed)
         self.read_wait += seconds
         if error is not None:
             raise error
 
-    def _wait_writes(self, requests: list[tuple[int, Any]]) -> None:
+    def _wait_writes(self, requests: list[tuple[int, IOWait]]) -> None:
         # a slab whose write failed stays resident: its memory is the only good copy now
-        seconds, error = _wait_each(requests, failed=self.unsaved.add, done=self._saved)
+        seconds, error = _wait_each(requests, failed=self._unsaved, done=self._saved)
         self.write_wait += seconds
         if error is not None:
             raise error
 
+    def _landed(self, i: int) -> None:
+        self._move(i, SlabState.RESIDENT)
+
     def _saved(self, i: int) -> None:
-        self.unsaved.discard(i)
+        self._move(i, SlabState.SAVED)
         self._release(i)
+
+    def _unsaved(self, i: int) -> None:
+        self._move(i, SlabState.UNSAVED)
 
     # -- passes -------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def resident_during(self, indices: Sequence[int], write_back: bool = True) -> Iterator[None]:
         """Slabs resident inside the block (read-only use: ``write_back=False``); afterwards the ones
         this block read are written back (if asked) and released, others stay as they were."""
-        loaded = [i for i in indices if not self.resident[i]]
+        loaded = [i for i in indices if self.states[i] is SlabState.OUT]
         self.swap_in(loaded)
         try:
             yield
@@ -338,7 +404,7 @@ class SwappedSlabs:
                 for i in loaded:
                     self._release(i)
 
-    def stream(self, order: Sequence[int], write_back: bool = True) -> Iterator[int]:
+    def stream(self, order: Sequence[int], write_back: bool = True) -> Generator[int, None, None]:
         """Yield each index of ``order`` once its slab is resident; after the consumer moves on, the
         slab is written back (``write_back``) while the next ones are used, and released once written.
         The next ``lookahead`` slabs are read while one is in use: only the read of the slab about
@@ -347,19 +413,22 @@ class SwappedSlabs:
         it held is released without being written, so its file keeps the values from before the pass."""
         order = list(order)
         ahead = 0  # order[:ahead] have been started reading
-        reads: dict[int, Any] = {}
-        writes: list[tuple[int, Any]] = []
+        reads: dict[int, IOWait] = {}
+        writes: list[tuple[int, IOWait]] = []
         try:
             for pos, i in enumerate(order):
                 while ahead < len(order) and ahead <= pos + self.lookahead:
                     j = order[ahead]
-                    if not self.resident[j]:
+                    if self.states[j] is SlabState.OUT:
                         reads[j] = self._start_read(j)
                     ahead += 1
                 if i in reads:
                     self._wait_reads([(i, reads.pop(i))])
-                finished = [(j, w) for j, w in writes if w.done()]
-                writes = [(j, w) for j, w in writes if not w.done()]
+                # asked once per write: one that completes between two asks would be neither waited
+                # for nor kept, and its slab would stay in memory, written, until written again
+                landed = [(j, w, w.done()) for j, w in writes]
+                finished = [(j, w) for j, w, done in landed if done]
+                writes = [(j, w) for j, w, done in landed if not done]
                 self._wait_writes(finished)  # complete already: releases them (raises a failed write)
                 yield i
                 if write_back:
@@ -378,9 +447,8 @@ class SwappedSlabs:
             pending, writes = writes, []
             with contextlib.suppress(OSError):  # an error of its own is already on its way up
                 self._wait_writes(pending)
-            written = {j for j, _ in pending}
-            for i in order:
-                if self.resident[i] and i not in written and i not in self.unsaved:
+            for i in order:  # held by the consumer when it failed (written ones are out, or unsaved)
+                if self.states[i] is SlabState.RESIDENT:
                     self._release(i)
 
     def forget(self, i: int) -> None:
@@ -391,17 +459,16 @@ class SwappedSlabs:
 
     def discard(self, i: int) -> None:
         """Release a resident slab without writing it (unchanged since it was read)."""
-        if self.resident[i]:
-            self._release(i)
+        self._release(i)
 
     def close(self) -> None:
         """Release every slab (the files go with the run directory, removed by its owner)."""
         for i in range(len(self.slabs)):
-            self._release(i)
+            self._release(i, closing=True)
         self.buffers.clear()
 
 
-def _wait_each(requests: Iterable[tuple[int, Any]], failed: Callable[[int], None] = lambda i: None,
+def _wait_each(requests: Iterable[tuple[int, IOWait]], failed: Callable[[int], None] = lambda i: None,
                done: Callable[[int], None] = lambda i: None) -> tuple[float, OSError | None]:
     """Wait for every ``(slab index, request)``, even after one failed, calling ``failed(i)`` or
     ``done(i)`` for each; returns the seconds spent waiting and the first error (for the caller to
@@ -430,6 +497,21 @@ def _numel(shape: tuple[int, ...]) -> int:
     return out
 
 
+class LeaseState(enum.Enum):
+    """Whether a :class:`SlabLease` is held, and whether a holder changed the slab."""
+
+    FREE = "free"  # no holder: the slab is in its file
+    HELD = "held"  # held, unchanged since it was read
+    CHANGED = "changed"  # changed by a holder: written back at the last release (stays, unheld, if that failed)
+
+
+_LEASE = Transitions("a slab lease", {
+    LeaseState.FREE: frozenset({LeaseState.HELD}),
+    LeaseState.HELD: frozenset({LeaseState.CHANGED, LeaseState.FREE}),
+    LeaseState.CHANGED: frozenset({LeaseState.FREE}),
+})
+
+
 class SlabLease:
     """Shared residency of one slab: the first holder reads it in, the last one releases it (writing
     it back only if some holder changed it). Stage-3 parameter shards on NVMe are held by a gather
@@ -438,8 +520,17 @@ class SlabLease:
     def __init__(self, slabs: SwappedSlabs, index: int):
         self.slabs, self.index = slabs, index
         self.holders = 0
-        self.dirty = False
-        self._read: Any = None  # a read in flight (started by ``acquire(wait=False)``)
+        self.state = LeaseState.FREE
+        self._read: IOWait | None = None  # a read in flight (started by ``acquire(wait=False)``)
+
+    @property
+    def dirty(self) -> bool:
+        """A holder changed the slab since it was read (it is written back at the last release)."""
+        return self.state is LeaseState.CHANGED
+
+    def _move(self, new: LeaseState) -> None:
+        if new is not self.state:
+            self.state = _LEASE.check(f"{self.slabs.name} {self.index}", self.state, new)
 
     def acquire(self, wait: bool = True) -> None:
         """Hold the slab, starting its read unless it is resident or being read (also after an earlier
@@ -449,11 +540,15 @@ class SlabLease:
         if self._read is None:
             self._read = self.slabs.start_read(self.index)
         self.holders += 1
+        if self.state is LeaseState.FREE:
+            self._move(LeaseState.HELD)
         if wait:
             try:
                 self.ready()
             except BaseException:
                 self.holders -= 1
+                if self.holders == 0 and self.state is LeaseState.HELD:
+                    self._move(LeaseState.FREE)
                 raise
 
     def ready(self) -> None:
@@ -465,15 +560,16 @@ class SlabLease:
     def release(self, changed: bool = False) -> None:
         if self.holders <= 0:
             raise RuntimeError(f"{self.slabs.name} {self.index}: released more often than acquired")
-        self.dirty = self.dirty or changed
+        if changed:
+            self._move(LeaseState.CHANGED)
         self.holders -= 1
         if self.holders == 0:
             self.ready()  # a read still in flight lands before its buffer is given back
-            if self.dirty:
-                self.slabs.swap_out([self.index])
+            if self.state is LeaseState.CHANGED:
+                self.slabs.swap_out([self.index])  # raises when it failed: stays CHANGED (memory: the only copy)
             else:
                 self.slabs.discard(self.index)
-            self.dirty = False
+            self._move(LeaseState.FREE)
 
     @contextlib.contextmanager
     def held(self, write_back: bool = False) -> Iterator[None]:

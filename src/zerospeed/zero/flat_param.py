@@ -17,13 +17,13 @@ state (here a :class:`UnitParamRef`); everything else lives in the owner, never 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager
+from typing import Callable, ContextManager
 
 import torch
 from torch import nn
 
 from zerospeed.distributed.comm import Comm, Handle
-from zerospeed.offload.store import Tier
+from zerospeed.offload import SlabLease, StateTier
 from zerospeed.sharding.flat import FlatUnit
 from zerospeed.sharding.plan import UnitPlan
 from zerospeed.zero.owner import init_partition
@@ -44,7 +44,7 @@ class FlatParamUnit:
     """The parameters of one unit, flat; see the module docstring."""
 
     def __init__(self, plan: UnitPlan, params: list[nn.Parameter], comm: Comm, *, persistent: bool,
-                 shard_tier: Tier | None = None):
+                 shard_tier: StateTier | None = None):
         """Parameters partitioned by ``zero.Init`` are gathered one at a time to fill the unit.
         ``shard_tier``: where a non-persistent unit keeps its shard between uses (``offload_param``;
         default: the parameters' device). A persistent unit's shard is always a view of ``full``."""
@@ -74,7 +74,7 @@ class FlatParamUnit:
             placed = shard_tier.place(own) if shard_tier is not None else own
             self.shard = placed.clone() if placed is own else placed
         self._staged: torch.Tensor | None = None  # the shard's copy on the compute device, while gathering
-        self.shard_lease: Any = None  # offload_param nvme: the shard's file residency (a SlabLease)
+        self.shard_lease: SlabLease | None = None  # offload_param nvme: the shard's file residency
         self._gather_holds_shard = False
         self._gather_after_read = False  # NVMe: the shard's read is in flight, the all-gather not yet issued
         self._empty = torch.empty(0, dtype=self.dtype, device=device)
@@ -137,13 +137,15 @@ class FlatParamUnit:
         self._pending = self.comm.all_gather(self.full, source, async_op=True)
 
     def wait(self) -> None:
+        lease = self.shard_lease  # set whenever the gather holds the shard (NVMe tier)
         if self._gather_after_read:
             self._gather_after_read = False
+            assert lease is not None
             try:
-                self.shard_lease.ready()
+                lease.ready()
             except BaseException:  # the shard could not be read: nothing was gathered, let go of it all
                 self._gather_holds_shard = False
-                self.shard_lease.release()
+                lease.release()
                 self.release()  # frees ``full`` again
                 raise
             self._launch_gather()
@@ -153,7 +155,8 @@ class FlatParamUnit:
             self._staged = None
         if self._gather_holds_shard:
             self._gather_holds_shard = False
-            self.shard_lease.release()
+            assert lease is not None
+            lease.release()
 
     def shard_resident(self, write_back: bool = False) -> ContextManager[None]:
         """``shard`` in memory inside the block (NVMe tier; ``write_back`` when the block changes it)."""

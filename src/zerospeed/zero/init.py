@@ -18,9 +18,8 @@ become every rank's shards (and fp32 masters). Every rank must enter it with the
 from __future__ import annotations
 
 import contextlib
-import uuid
 import weakref
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -28,8 +27,12 @@ from torch import nn
 from zerospeed.distributed.comm import Comm
 from zerospeed.distributed.groups import is_initialized
 from zerospeed.distributed.mesh import Mesh
+from zerospeed.offload import remote_device_tier
 from zerospeed.zero.flat_param import FlatParamUnit
 from zerospeed.zero.owner import InitOwner, engine_owner, init_partition, owner_of, set_owner
+
+if TYPE_CHECKING:
+    from zerospeed.offload import NvmeTier, SlabLease
 
 
 class InitPartition(InitOwner):
@@ -109,19 +112,14 @@ def _all_module_classes() -> list[type]:
 class NvmeStash:
     """Swap files for ``zero.Init`` partitions (``remote_device="nvme"``), in a run directory of their own."""
 
-    def __init__(self, nvme_path: str, comm: Comm, aio: Any = None):
-        from zerospeed.offload.nvme import RunDirectory, SwappedSlabs
-        from zerospeed.ops.aio import AsyncIOHandle
+    def __init__(self, tier: NvmeTier, comm: Comm):
+        """Opens ``tier``'s run (collective: every rank partitions the same parameters)."""
+        self.run = tier.open(comm, purpose="init", what="zero.Init(remote_device='nvme')")
+        self.slabs = self.run.slabs("init")
 
-        run_id = comm.all_gather_object(uuid.uuid4().hex[:12])[0]
-        handle = AsyncIOHandle.from_config(aio) if aio is not None else AsyncIOHandle()
-        self.slabs = SwappedSlabs([], RunDirectory(nvme_path, f"{run_id}-init", comm.rank), handle, name="init")
-
-    def put(self, shard: torch.Tensor) -> Any:
+    def put(self, shard: torch.Tensor) -> SlabLease:
         """Write ``shard`` (a 1-D CPU tensor, emptied) to a file of its own; its lease reads it back."""
-        from zerospeed.offload.nvme import SlabLease
-
-        return SlabLease(self.slabs, self.slabs.add(shard.view(-1), [shard]))
+        return self.slabs.lease(self.slabs.add(shard.view(-1), [shard]))
 
 
 class Init(contextlib.ContextDecorator):
@@ -145,7 +143,7 @@ class Init(contextlib.ContextDecorator):
         self.enabled = enabled
         cfg = _load(config if config is not None else config_dict_or_path)
         self.dtype = dtype if dtype is not None else _dtype_from(cfg)
-        self._nvme = _nvme_target(cfg, remote_device)  # (nvme_path, aio section) or None
+        self._remote = remote_device_tier(cfg, remote_device)  # the NVMe tier partitions go to, or None
         self._stash: NvmeStash | None = None
         self._comm = comm if comm is not None else (mesh.dp if mesh is not None else None)
         self._patched: list[tuple[type, Any]] = []
@@ -197,8 +195,8 @@ class Init(contextlib.ContextDecorator):
                 continue
             if self.dtype is not None and param.is_floating_point() and param.dtype != self.dtype:
                 param.data = param.data.to(self.dtype)
-            if self._nvme is not None and self._stash is None and param.device.type == "cpu":
-                self._stash = NvmeStash(self._nvme[0], self.comm, self._nvme[1])
+            if self._remote is not None and self._stash is None and param.device.type == "cpu":
+                self._stash = NvmeStash(self._remote, self.comm)
             stash = self._stash if param.device.type == "cpu" else None
             set_owner(param, InitPartition(param, self.comm, stash))
 
@@ -223,25 +221,6 @@ def _dtype_from(cfg: Any) -> torch.dtype | None:
     from zerospeed.precision.policy import policy_from_config
 
     return policy_from_config(cfg).param_dtype
-
-
-def _nvme_target(cfg: Any, remote_device: str | None) -> tuple[str, Any] | None:
-    """``(nvme_path, aio section)`` when partitions go to NVMe, else None."""
-    from zerospeed.config.values import OffloadDevice
-
-    section = cfg.zero_optimization.offload_param if cfg is not None else None
-    on_nvme = section is not None and section.device == OffloadDevice.NVME
-    if remote_device is None:
-        remote_device = "nvme" if on_nvme else "cpu"
-    if remote_device not in ("cpu", "nvme"):
-        raise ValueError(f"zero.Init(remote_device={remote_device!r}): expected 'cpu' or 'nvme' (None: from the "
-                         f"config's offload_param.device)")
-    if remote_device == "cpu":
-        return None
-    if not on_nvme:
-        raise ValueError("zero.Init(remote_device='nvme') needs the config's zero_optimization.offload_param with "
-                         "device 'nvme' and an nvme_path; pass config=... with that section")
-    return str(section.nvme_path), cfg.aio
 
 
 @contextlib.contextmanager

@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import contextlib
 import time
-import uuid
 from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
 from zerospeed.distributed.comm import Comm, Handle
-from zerospeed.offload.store import StateStore, Tier
+from zerospeed.offload import MemoryStorage, SlabLease, TierStorage
+from zerospeed.offload.store import StateStore
+from zerospeed.offload.tier import MemoryTier, StateTier
 from zerospeed.ops.cpu_optimizer import CPUOptimizer
 from zerospeed.optim.lamb import Lamb
 from zerospeed.zero.flat_param import FlatParamUnit
@@ -61,11 +62,11 @@ class ZeroOptimizer:
         self._piece_range: dict[int, tuple[int, int, int]] = {}
         index = 0
         sizes = [unit.plan.shard_numel for unit in self.units]
-        self.tiers: list[Tier] = (store.optimizer_tiers(sizes) if store is not None
-                                  else [Tier("device", unit.shard.device) for unit in self.units])
-        params_swapped = store is not None and store.params.name == "nvme"
+        self.tiers: list[StateTier] = (store.optimizer_tiers(sizes) if store is not None
+                                       else [MemoryTier("device", unit.shard.device) for unit in self.units])
+        params_swapped = store is not None and store.params.swaps
         for u, unit in enumerate(self.units):
-            if self.tiers[u].name == "nvme":
+            if self.tiers[u].swaps:
                 # a placeholder, never written (so it takes no memory): adopt() makes the real master in
                 # the unit's slab, one unit at a time, once the optimizer's states are known
                 master = torch.empty(unit.plan.shard_numel, dtype=master_dtype)
@@ -97,6 +98,7 @@ class ZeroOptimizer:
         self.times = {"update": 0.0, "publish": 0.0}
         self.store = store
         self.swapped: SwappedOptimizerState | None = None  # NVMe-tier units, built by adopt()
+        self.storage: TierStorage = MemoryStorage()  # where swapped units live (their NVMe run), set by adopt()
         # called with a unit's index once it is resident for its update, before its gradient is used
         # (NVMe-kept gradient shards get the step's unscale and clip then)
         self.before_update: Callable[[int], None] = lambda unit_index: None
@@ -124,27 +126,20 @@ class ZeroOptimizer:
                 raise NotImplementedError("Lamb's max_grad_norm under ZeRO: use gradient_clipping instead")
             optimizer.norm_reducer = self.reduce_piece_norms
         self.optimizer = optimizer
-        nvme = [u for u, tier in enumerate(self.tiers) if tier.name == "nvme"]
-        if nvme:
-            self._swap_to_nvme(optimizer, nvme)
+        swapping = [u for u, tier in enumerate(self.tiers) if tier.swaps]
+        if swapping:
+            self._swap_out(optimizer, self.tiers[swapping[0]], swapping)
         return optimizer
 
-    def _swap_to_nvme(self, optimizer: torch.optim.Optimizer, units: list[int]) -> None:
-        """Move the masters and (created now) optimizer states of ``units`` into swap files."""
-        from zerospeed.offload.nvme import RunDirectory
-        from zerospeed.ops.aio import AsyncIOHandle
-
+    def _swap_out(self, optimizer: torch.optim.Optimizer, tier: StateTier, units: list[int]) -> None:
+        """Move the masters and (created now) optimizer states of ``units`` into ``tier``'s files."""
         assert self.store is not None
-        tier = self.tiers[units[0]]
-        assert tier.path is not None
-        handle = AsyncIOHandle.from_config(self.store.aio) if self.store.aio is not None else AsyncIOHandle()
-        run_id = self.comm.all_gather_object(uuid.uuid4().hex[:12])[0]  # one run directory, a subdirectory per rank
+        # one run directory, a subdirectory per rank
+        run = tier.open(self.comm, purpose="", what="offload_optimizer nvme")
         initial = {id(piece): optimizer.state.get(piece, {}) for piece, *_ in self._grad_slices}
-        swapped: SwappedOptimizerState | None = None
+        swapped = SwappedOptimizerState(units, run=run, lookahead=self.store.nvme_lookahead)
         error: BaseException | None = None
         try:
-            swapped = SwappedOptimizerState(units, RunDirectory(tier.path, run_id, self.comm.rank), handle,
-                                            lookahead=self.store.nvme_lookahead)
             swapped.build(optimizer, self.masters, self._grad_slices, initial, self._fill_master,
                           with_grads=self.grads_in_slabs)
         except (OSError, ValueError, NotImplementedError, RuntimeError) as exc:
@@ -152,13 +147,9 @@ class ZeroOptimizer:
         try:
             self.comm.fail_together(error, "offload_optimizer nvme")
         except BaseException:
-            if swapped is not None:
-                swapped.close()
-            else:
-                handle.close()
+            swapped.close()
             raise
-        assert swapped is not None
-        self.swapped = swapped
+        self.swapped, self.storage = swapped, run
         for u in units:
             self.units[u].master = self.masters[u]
 
@@ -238,7 +229,7 @@ class ZeroOptimizer:
         everything = [group["params"] for group in groups]
         order = range(len(self.units))
         stream = self.swapped.stream(order) if self.swapped is not None else iter(order)
-        prefetched: list[int] = []  # units whose NVMe-tier parameter shard is being read ahead
+        prefetched: list[tuple[int, SlabLease]] = []  # units whose NVMe-tier parameter shard is read ahead
         try:
             # closed on the way out, so a failed step releases its unit at once (its file untouched)
             with contextlib.closing(stream) if self.swapped is not None else contextlib.nullcontext():
@@ -247,7 +238,7 @@ class ZeroOptimizer:
                     following = self.units[u + 1].shard_lease if u + 1 < len(self.units) else None
                     if following is not None:  # the next unit's shard is read while this one updates
                         following.acquire(wait=False)
-                        prefetched.append(u + 1)
+                        prefetched.append((u + 1, following))
                     with unit.shard_resident(write_back=True):  # an NVMe-tier shard: in, updated, out
                         unit_copied = u in copied
                         if u not in done:
@@ -265,14 +256,14 @@ class ZeroOptimizer:
                         # a swapped master or shard is released after this: copy before moving on
                         publisher.publish(unit, master, copied=unit_copied,
                                           blocking=swapped or unit.shard_lease is not None)
-                    if prefetched and prefetched[0] == u:
-                        prefetched.pop(0)
-                        unit.shard_lease.release()  # the update above (if any) marked it to be written
+                    if prefetched and prefetched[0][0] == u:
+                        _, lease = prefetched.pop(0)
+                        lease.release()  # the update above (if any) marked it to be written
         finally:
             for group, params in zip(groups, everything):
                 group["params"] = params
-            for v in prefetched:  # a failed step: let go of the reads ahead
-                self.units[v].shard_lease.release()
+            for _, lease in prefetched:  # a failed step: let go of the reads ahead
+                lease.release()
 
     def step_units(self, units: Sequence[int], grads: dict[int, torch.Tensor],
                    copy_out: dict[int, dict[int, torch.Tensor]] | None) -> None:

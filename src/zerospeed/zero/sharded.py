@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-import uuid
 from typing import ContextManager, Iterator, Sequence
 
 import torch
@@ -19,8 +18,7 @@ from torch import nn
 
 from zerospeed.config.policies import ZeroPolicy
 from zerospeed.distributed.comm import Comm
-from zerospeed.offload.nvme import RunDirectory, SlabLease, SwappedSlabs, itemsize
-from zerospeed.offload.store import StateStore
+from zerospeed.offload import MemoryStorage, StateStore, SwappedSlabs, TierStorage, itemsize, offloads
 from zerospeed.sharding.plan import ShardPlan
 from zerospeed.sharding.slots import ParamInfo, Slot
 from zerospeed.zero.contract import ParamOwner
@@ -69,7 +67,8 @@ class ShardedState:
                                      for s in specs], comm.world_size)
         device = next(iter(p for spec in specs for p in spec.params)).device if specs else torch.device("cpu")
         self.store = store if store is not None else StateStore.on_device(device)
-        self.param_swap: SwappedSlabs | None = None
+        self.param_storage: TierStorage = MemoryStorage()  # the parameter tier's NVMe run, if it swaps
+        self.param_swap: SwappedSlabs | None = None  # the swapped parameter shards in it
         self.units = self._build_units(specs, stage)
         overlap = zero_cfg.overlap_comm
         self.grads = ShardedGrads(self.units, comm, GradSharding.for_stage(stage), accum_dtype=accum_dtype,
@@ -111,7 +110,7 @@ class ShardedState:
     def adopt(self, optimizer: torch.optim.Optimizer) -> None:
         self.zero_optimizer.adopt(optimizer)
         if self.zero_optimizer.swapped is not None:
-            self.grads.keep_on_nvme(self.zero_optimizer.swapped)
+            self.grads.keep_in_slabs(self.zero_optimizer.swapped)
         overlap = self._overlap_requested
         if overlap.enabled and not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
             overlap = overlap.without(f"{type(optimizer).__name__} is not known to be elementwise (Lamb's trust "
@@ -124,20 +123,15 @@ class ShardedState:
         is read in for its all-gather and for its update (see :class:`SlabLease`) — except the first
         units whose shards fit in ``max_in_cpu`` elements, which stay in CPU memory (as in DeepSpeed)."""
         units: list[FlatParamUnit] = []
-        if self.store.params.name != "nvme":
+        tier = self.store.params
+        if not tier.swaps:
             for plan, spec in zip(self.plan.units, specs):
                 units.append(FlatParamUnit(plan, list(spec.params), self.comm, persistent=stage < 3 or spec.persistent,
-                                           shard_tier=self.store.params))
+                                           shard_tier=tier))
             return units
-        from zerospeed.ops.aio import AsyncIOHandle
-
-        tier = self.store.params
-        assert tier.path is not None
-        run_id = self.comm.all_gather_object(uuid.uuid4().hex[:12])[0]
-        handle = AsyncIOHandle.from_config(self.store.aio) if self.store.aio is not None else AsyncIOHandle()
+        run = tier.open(self.comm, purpose="params", what="offload_param nvme")
         error: BaseException | None = None
         slabs: SwappedSlabs | None = None
-        directory: RunDirectory | None = None
         # ``max_in_cpu``: the first units whose shards fit stay in CPU memory (the same on every rank)
         in_memory, budget = set(), self.store.params_in_memory
         for plan, spec in zip(self.plan.units, specs):
@@ -145,37 +139,32 @@ class ShardedState:
                 in_memory.add(id(plan))
                 budget -= plan.shard_numel
         try:
-            directory = RunDirectory(tier.path, f"{run_id}-params", self.comm.rank)
             swapped = [(plan, spec) for plan, spec in zip(self.plan.units, specs)
                        if not spec.persistent and id(plan) not in in_memory]
-            directory.check_room(sum(plan.shard_numel * itemsize(spec.params[0].dtype) for plan, spec in swapped),
-                                 f"the parameter shards of {len(swapped)} units")
-            slabs = SwappedSlabs([], directory, handle, name="param")
-            slabs.buffers.keep = self.store.param_buffers
+            run.check_room(sum(plan.shard_numel * itemsize(spec.params[0].dtype) for plan, spec in swapped),
+                           f"the parameter shards of {len(swapped)} units")
+            slabs = run.slabs("param", keep_buffers=self.store.param_buffers)
         except (OSError, ValueError, RuntimeError) as exc:
             error = exc
         for plan, spec in zip(self.plan.units, specs):
             # every rank makes every unit (zero.Init partitions are gathered collectively), even after
             # an error here, so that the ranks fail together below instead of waiting on each other
             unit = FlatParamUnit(plan, list(spec.params), self.comm, persistent=stage < 3 or spec.persistent,
-                                 shard_tier=self.store.params)
+                                 shard_tier=tier)
             units.append(unit)
             if error is None and slabs is not None and not unit.persistent and id(plan) not in in_memory:
                 try:
                     alias = unit.shard.view(-1)  # the same memory; ``unit.shard`` is re-pointed in and out
-                    unit.shard_lease = SlabLease(slabs, slabs.add(alias, [unit.shard], check_room=False))
+                    unit.shard_lease = slabs.lease(slabs.add(alias, [unit.shard], check_room=False))
                 except (OSError, ValueError, RuntimeError) as exc:
                     error = exc
         try:
             self.comm.fail_together(error, "offload_param nvme")
         except BaseException:
-            handle.close()
-            if directory is not None:
-                directory.close()
+            run.close()
             raise
-        assert slabs is not None and directory is not None
-        self.param_swap = slabs
-        self._param_swap_parts = (handle, directory)
+        assert slabs is not None
+        self.param_swap, self.param_storage = slabs, run
         return units
 
     def describe_offload(self) -> str:
@@ -327,7 +316,7 @@ class ShardedState:
         buffers = gathered + storage_bytes(grad_transient, exclude=grad_state)
         return {"params": params, "grads": grads, "optimizer_states": states,
                 "total": params + grads + states, "buffers": buffers, "offloaded": self._offloaded_bytes(),
-                "on_nvme": self._nvme_bytes()}
+                "on_nvme": self._swapped_bytes()}
 
     def _offloaded_bytes(self) -> int:
         """Bytes of the above held in an offload tier (CPU memory) rather than with the computation."""
@@ -347,15 +336,11 @@ class ShardedState:
 
     def offload_io(self) -> dict[str, float]:
         """NVMe traffic of this rank since initialize (see :meth:`Engine.offload_io`)."""
-        swapped = self.zero_optimizer.swapped
-        slabs = [s for s in (swapped.slabs if swapped is not None else None, self.param_swap) if s is not None]
-        return {"bytes_read": sum(s.bytes_read for s in slabs), "bytes_written": sum(s.bytes_written for s in slabs),
-                "read_wait_s": sum(s.read_wait for s in slabs), "write_wait_s": sum(s.write_wait for s in slabs)}
+        return (self.zero_optimizer.storage.io_stats() + self.param_storage.io_stats()).as_dict()
 
-    def _nvme_bytes(self) -> int:
-        swapped = self.zero_optimizer.swapped
-        out = sum(swapped.slabs.nbytes) if swapped is not None and swapped.slabs is not None else 0
-        return out + (sum(self.param_swap.nbytes) if self.param_swap is not None else 0)
+    def _swapped_bytes(self) -> int:
+        """Bytes of state kept in swap files (optimizer state and parameter shards)."""
+        return self.zero_optimizer.storage.bytes_held() + self.param_storage.bytes_held()
 
     # -- checkpoints -------------------------------------------------------------------------
     def checkpoint_params(self) -> list[ParamInfo]:
@@ -419,11 +404,7 @@ class ShardedState:
         self.eager.close()
         if self.zero_optimizer.swapped is not None:
             self.zero_optimizer.swapped.close()
-        if self.param_swap is not None:
-            handle, directory = self._param_swap_parts
-            handle.close()
-            self.param_swap.close()
-            directory.close()
+        self.param_storage.close()
         if self.coordinator is not None:
             self.coordinator.remove_hooks()
 

@@ -14,22 +14,25 @@ The two ways of doing it differ only in the :class:`GradSharding` value:
   across the window, and free the full accumulator as soon as it has been reduced.
 
 Under ``offload_optimizer.device: nvme`` the stage-2/3 gradient shard of an NVMe-tier unit is not
-kept in memory at all: it is the gradient region of the unit's slab (:meth:`ShardedGrads.keep_on_nvme`),
+kept in memory at all: it is the gradient region of the unit's slab (:meth:`ShardedGrads.keep_in_slabs`),
 written as each reduction completes, with its norm measured on the window's last micro-batch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
 from zerospeed.distributed.comm import Comm, Handle
-from zerospeed.offload.store import Tier
+from zerospeed.offload.tier import StateTier
 from zerospeed.zero.flat_param import FlatParamUnit
 from zerospeed.zero.grads import ReductionPolicy
 from zerospeed.zero.step_grads import StepGrads
+
+if TYPE_CHECKING:
+    from zerospeed.zero.swapped import SwappedOptimizerState
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,7 @@ class GradSharding:
 
 
 class _UnitGrads:
-    def __init__(self, index: int, unit: FlatParamUnit, dtype: torch.dtype, keep_full: bool, tier: Tier | None):
+    def __init__(self, index: int, unit: FlatParamUnit, dtype: torch.dtype, keep_full: bool, tier: StateTier | None):
         self.index = index
         self.unit = unit
         self.plan = unit.plan
@@ -58,13 +61,13 @@ class _UnitGrads:
         if keep_full:
             self.acc = torch.zeros(self.plan.padded_numel, dtype=dtype, device=self.device)
             self.shard = self.acc[lo:hi]
-        elif tier is not None and tier.name == "nvme":  # the slab's gradient region, set by keep_on_nvme
+        elif tier is not None and tier.swaps:  # the slab's gradient region, set by keep_in_slabs
             self.shard = torch.empty(0, dtype=torch.float32)
         else:  # in the optimizer's tier: an offloaded optimizer gets its gradients where it runs
             where = tier.device if tier is not None else self.device
             self.shard = torch.zeros(hi - lo, dtype=dtype, device=where,
                                      pin_memory=tier is not None and tier.pinned)
-        self.swapped: Any = None  # the SwappedOptimizerState keeping this shard on NVMe, if any
+        self.swapped: SwappedOptimizerState | None = None  # the state keeping this shard on NVMe, if any
         self.final_norm: torch.Tensor | None = None  # NVMe: the norm of this window's final value
         self.prepared = False  # NVMe: the step's recorded unscale/clip applied since it was read in
         self.written = [False] * len(self.plan.params)  # slots of ``acc`` holding this window's values
@@ -111,7 +114,7 @@ class ShardedGrads:
     def __init__(self, units: Sequence[FlatParamUnit], comm: Comm, sharding: GradSharding, *,
                  accum_dtype: torch.dtype = torch.float32, policy: ReductionPolicy = ReductionPolicy(),
                  overlap: bool = True, max_in_flight_elems: int = 500_000_000,
-                 shard_tiers: Sequence[Tier] | None = None):
+                 shard_tiers: Sequence[StateTier] | None = None):
         """``overlap=False`` (``overlap_comm: false``) waits for each reduction as it is launched.
         ``shard_tiers``: per unit, where stages 2-3 keep the gradient shard (the optimizer's tier: CPU
         memory under ``offload_optimizer``, so each unit's reduced gradient moves there as it completes)."""
@@ -155,9 +158,9 @@ class ShardedGrads:
         self.on_final_shard: Callable[[int], None] | None = None
         self._window_reduced = False  # stage 1: the window's accumulators have been reduced
         self._step_grads: StepGrads | None = None  # this window's, once the step has asked for them
-        self._swapped: list[Any] = []  # the NVMe stores holding some units' shards
+        self._swapped: list[SwappedOptimizerState] = []  # the NVMe stores holding some units' shards
 
-    def keep_on_nvme(self, swapped: Any) -> None:
+    def keep_in_slabs(self, swapped: SwappedOptimizerState) -> None:
         """Keep the shards of the units ``swapped`` (a :class:`SwappedOptimizerState`) holds gradient
         regions for in those regions instead of memory (stages 2-3)."""
         if self.sharding.keep_full:

@@ -22,17 +22,17 @@ they are created here as zeros, exactly as those optimizers would create them.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Sequence
+from typing import Callable, Generator, Iterator, Sequence
 
 import torch
 
-from zerospeed.offload.nvme import RunDirectory, SwappedSlabs
+from zerospeed.offload import IOWait, RunDirectory, SwappedSlabs, TierStorage
 from zerospeed.ops.adagrad import CPUAdagrad
 from zerospeed.ops.adam import CPUAdam
 from zerospeed.ops.lion import CPULion
 
 
-def per_element_states(optimizer: torch.optim.Optimizer) -> tuple[tuple[str, ...], dict[str, Any]]:
+def per_element_states(optimizer: torch.optim.Optimizer) -> tuple[tuple[str, ...], dict[str, float]]:
     """``(state keys holding one value per element, scalar states)`` a fresh state of ``optimizer``
     has; raises for optimizers whose state is not known up front."""
     if isinstance(optimizer, (CPUAdam, torch.optim.Adam, torch.optim.AdamW)):
@@ -51,16 +51,22 @@ def per_element_states(optimizer: torch.optim.Optimizer) -> tuple[tuple[str, ...
 class SwappedOptimizerState:
     """The NVMe-tier units of a :class:`ZeroOptimizer`: their masters and states live in slab files."""
 
-    def __init__(self, units: Sequence[int], directory: RunDirectory, aio: Any, lookahead: int = 1):
+    def __init__(self, units: Sequence[int], *, run: TierStorage, lookahead: int = 1):
+        """``run``: the NVMe run the slabs go in (owned from now on: :meth:`close` closes it)."""
         self.units = list(units)
-        self.directory = directory
-        self.aio = aio
+        self.run = run
         self.lookahead = lookahead
         self.slabs: SwappedSlabs | None = None
         self._slab_of: dict[int, int] = {}  # unit index -> slab index
         self._grad_at: dict[int, int] = {}  # unit index -> element offset of its gradient region
         self.grads: dict[int, torch.Tensor] = {}  # unit index -> its gradient region (empty while out)
-        self._grad_writes: list[tuple[Any, torch.Tensor]] = []  # in flight: (request, its buffer)
+        self._grad_writes: list[tuple[IOWait, torch.Tensor]] = []  # in flight: (request, its buffer)
+
+    @property
+    def directory(self) -> RunDirectory:
+        """The run directory the slabs are in (once built)."""
+        assert self.slabs is not None
+        return self.slabs.directory
 
     def build(self, optimizer: torch.optim.Optimizer, masters: list[torch.Tensor],
               pieces: Sequence[tuple[torch.nn.Parameter, int, int, int]], initial_states: dict[int, dict],
@@ -78,9 +84,9 @@ class SwappedOptimizerState:
         regions = 1 + len(keys) + int(with_grads)
         total = sum(regions * masters[u].numel() * 4 for u in self.units)
         what = ", ".join(("fp32 masters",) + keys + (("gradients",) if with_grads else ()))
-        self.directory.check_room(total, f"the {what} of {len(self.units)} units")
+        self.run.check_room(total, f"the {what} of {len(self.units)} units")
         # one unit at a time: built, written out and released before the next is made
-        self.slabs = SwappedSlabs([], self.directory, self.aio, lookahead=self.lookahead, name="unit")
+        self.slabs = self.run.slabs("unit", lookahead=self.lookahead)
         for u in self.units:
             n = masters[u].numel()
             slab = torch.zeros(regions * n, dtype=torch.float32)
@@ -148,7 +154,7 @@ class SwappedOptimizerState:
     def swapped(self, unit_index: int) -> bool:
         return unit_index in self._slab_of
 
-    def stream(self, order: Sequence[int], write_back: bool = True) -> Iterator[int]:
+    def stream(self, order: Sequence[int], write_back: bool = True) -> Generator[int, None, None]:
         """Yield the units of ``order`` in turn, each resident while the consumer holds it (units of
         other tiers pass straight through)."""
         assert self.slabs is not None
@@ -181,7 +187,4 @@ class SwappedOptimizerState:
     def close(self) -> None:
         """Stop the I/O threads (pending transfers end first), release the slabs, delete the files."""
         self._grad_writes = []
-        self.aio.close()
-        if self.slabs is not None:
-            self.slabs.close()
-        self.directory.close()
+        self.run.close()

@@ -1,4 +1,4 @@
-"""The file side of :mod:`zerospeed.ops.aio`: opening files, splitting a request into pieces, moving one piece.
+"""The file side of :mod:`zerospeed.offload.aio`: opening files, splitting a request into pieces, moving one piece.
 
 A request (one tensor <-> one file range) is cut into *pieces* that worker threads move with
 ``os.preadv`` / ``os.pwrite``, which release the GIL, so several pieces are in flight at once.
