@@ -164,6 +164,7 @@ class Bucket:
         self.index = index
         self.slots = list(slots)
         self.numel = numel  # slots, then zero padding up to here
+        self.used = max((s.end for s in self.slots), default=0)  # where the padding starts
         self.device = device
         self.n_trainable = sum(s.param is not None for s in self.slots)
         self.acc: torch.Tensor | None = None  # set by the reducer (kept, or taken from its pool)
@@ -313,13 +314,12 @@ class GradReducer:
     def _launch(self, bucket: Bucket) -> None:
         bucket.advance(BucketState.LAUNCHED)
         acc = self._ensure_acc(bucket)
-        end = 0
         for slot, s in enumerate(bucket.slots):
             if not bucket.written[slot]:  # no gradient this window (unused or frozen parameter): zero
                 acc[s.offset: s.end].zero_()
                 bucket.written[slot] = True
-            end = max(end, s.end)
-        acc[end:].zero_()  # padding
+        if bucket.used < bucket.numel:
+            acc[bucket.used:].zero_()  # padding
         dtype = self.policy.reduce_dtype
         wire = acc if dtype is None or dtype == acc.dtype else acc.to(dtype)
         self.policy.before(wire, self.comm.world_size)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -48,6 +48,20 @@ class GradSharding:
         if stage not in (1, 2, 3):
             raise ValueError(f"gradient sharding is for ZeRO stages 1-3, got stage {stage}")
         return cls(keep_full=stage == 1)
+
+
+class SlabGradStore(Protocol):
+    """Where the stage-2/3 gradient shards of some units live outside memory (their NVMe slabs): the
+    seam :meth:`ShardedGrads.keep_on_nvme` takes (:class:`zero.swapped.SwappedOptimizerState` today)."""
+
+    grads: dict[int, torch.Tensor]  # unit index -> its gradient region (empty while swapped out)
+
+    def holds_grad(self, unit_index: int) -> bool: ...
+
+    def store_grad(self, unit_index: int, values: torch.Tensor, accumulate: bool,
+                   accum_dtype: torch.dtype) -> torch.Tensor: ...
+
+    def flush_grads(self) -> None: ...
 
 
 class ShardWindow(enum.Enum):
@@ -85,7 +99,7 @@ class _UnitGrads:
             where = tier.device if tier is not None else self.device
             self.shard = torch.zeros(hi - lo, dtype=dtype, device=where,
                                      pin_memory=tier is not None and tier.pinned)
-        self.swapped: Any = None  # the SwappedOptimizerState keeping this shard on NVMe, if any
+        self.swapped: SlabGradStore | None = None  # the store keeping this shard on NVMe, if any
         self.final_norm: torch.Tensor | None = None  # NVMe: the norm of this window's final value
         self.window = ShardWindow.EMPTY
 
@@ -154,14 +168,14 @@ class ShardedGrads:
         self.final = False  # this backward is the window's last: a completed reduction is the final shard
         self._window_reduced = False  # stage 1: the window's accumulators have been reduced
         self._step_grads: StepGrads | None = None  # this window's, once the step has asked for them
-        self._swapped: list[Any] = []  # the NVMe stores holding some units' shards
+        self._swapped: list[SlabGradStore] = []  # the NVMe stores holding some units' shards
 
     @property
     def order(self) -> list[int]:
         """Unit indices in launch order."""
         return self.reducer.order
 
-    def keep_on_nvme(self, swapped: Any) -> None:
+    def keep_on_nvme(self, swapped: SlabGradStore) -> None:
         """Keep the shards of the units ``swapped`` (a :class:`SwappedOptimizerState`) holds gradient
         regions for in those regions instead of memory (stages 2-3)."""
         if self.sharding.keep_full:
