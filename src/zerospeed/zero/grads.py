@@ -110,9 +110,9 @@ class GradBuckets:
         or zeroed when its bucket is sent without one, so buffers are only meaningful after ``finish``.
         """
         self._window_done = False
+        self.reducer.new_window()
         if not self.reducer.relaid and self._finished_once:
             self._relay()
-        self.reducer.new_window()
 
     def remove_hooks(self) -> None:
         self.reducer.remove_hooks()

@@ -243,16 +243,17 @@ class GradReducer:
         self.pool = BufferPool(keep=3)
         self._params = list(params)
         self._index = {id(p): i for i, p in enumerate(self._params)}
-        self.set_buckets(buckets, order)
         self.reducing = False  # this pass's gradients go out (set by begin_pass)
         self.relaid = False  # the order has been agreed from a real pass (see agreed_arrivals)
         self._arrivals: list[int] = []  # parameter indices in hook order, first reducing pass only
         self._next = 0  # position in ``order`` of the next bucket to launch
         self._in_flight: list[Bucket] = []
+        self.set_buckets(buckets, order)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
 
     def set_buckets(self, buckets: Sequence[Bucket], order: Sequence[int]) -> None:
         """(Re)lay the parameters out in ``buckets``, launched in ``order`` (bucket indices)."""
+        assert not self._in_flight, "no reduction in flight while the buckets change"
         self.buckets = list(buckets)
         self.order = list(order)
         self._where: list[tuple[int, int]] = [(-1, -1)] * len(self._params)
