@@ -16,8 +16,7 @@ from torch import nn
 from zerospeed.distributed.comm import Comm
 from zerospeed.sharding.slots import ParamInfo, Slot, even_split
 from zerospeed.zero.flat_param import OWNER
-from zerospeed.zero.grads import GradBuckets
-from zerospeed.zero.reducer import ReductionPolicy
+from zerospeed.zero.grads import GradBuckets, ReductionPolicy
 from zerospeed.zero.memory import storage_bytes
 
 

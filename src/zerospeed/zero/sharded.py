@@ -24,7 +24,7 @@ from zerospeed.offload.store import StateStore
 from zerospeed.sharding.plan import ShardPlan
 from zerospeed.sharding.slots import ParamInfo, Slot
 from zerospeed.zero.flat_param import OWNER, FlatParamUnit, shape_of
-from zerospeed.zero.reducer import ReductionPolicy
+from zerospeed.zero.grads import ReductionPolicy
 from zerospeed.zero.layout import MIN_UNIT_ELEMS, UnitSpec, build_units, module_users
 from zerospeed.zero.memory import storage_bytes
 from zerospeed.ops.cpu_optimizer import CPUOptimizer
