@@ -71,20 +71,20 @@ class ShardedState:
         self.param_swap: SwappedSlabs | None = None  # the swapped parameter shards in it
         self.units = self._build_units(specs, stage)
         overlap = zero_cfg.overlap_comm
-        self.grads = ShardedGrads(self.units, comm, GradSharding.for_stage(stage), accum_dtype=accum_dtype,
-                                  policy=reduction, overlap=overlap,
-                                  max_in_flight_elems=zero_cfg.reduce_bucket_size,
-                                  shard_tiers=self.store.optimizer_tiers([p.shard_numel for p in self.plan.units]))
         self.zero_optimizer = ZeroOptimizer(self.units, comm, master_dtype=master_dtype,
                                             allgather_bucket_elems=zero_cfg.allgather_bucket_size,
                                             store=self.store)
-        self.zero_optimizer.grads_in_slabs = not self.grads.sharding.keep_full
-        self.zero_optimizer.before_update = self.grads.prepare
         # enabled by adopt(), once the optimizer is known to be elementwise
         self._overlap_requested = overlap_step or StepOverlap(False, 1, "not requested")
         self.eager = EagerSteps(self.zero_optimizer, self._overlap_requested.without("no optimizer"),
                                 grad_of=lambda u: self.grads.units[u].shard)
-        self.grads.on_final_shard = self.eager.ready
+        self.grads = ShardedGrads(self.units, comm, GradSharding.for_stage(stage), accum_dtype=accum_dtype,
+                                  policy=reduction, overlap=overlap,
+                                  max_in_flight_elems=zero_cfg.reduce_bucket_size,
+                                  shard_tiers=self.store.optimizer_tiers([p.shard_numel for p in self.plan.units]),
+                                  on_final_shard=self.eager.ready)
+        self.zero_optimizer.grads_in_slabs = not self.grads.sharding.keep_full
+        self.zero_optimizer.before_update = self.grads.prepare
         self._final_backward_end: float | None = None  # when this window's last backward ended
         # seconds of the last step (for benchmarks): the early updates (wall), how much of them ran
         # before backward ended, how long step() waited for them, the update at the step, and

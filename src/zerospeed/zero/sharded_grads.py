@@ -1,10 +1,11 @@
 """Gradient reduce-scatter for ZeRO stages 1-3: each rank ends with the averaged gradient of its shard.
 
-Per-parameter hooks add each gradient into its unit's flat accumulator (in the accumulation
-dtype) and free ``param.grad``. Once every trainable parameter of a unit has its gradient, the
-unit is reduce-scattered asynchronously while backward goes on. Units are launched strictly in one
-order, identical on every rank whatever autograd's scheduling (first reverse registration order,
-then, after the first reduction, the order gradients really completed on rank 0).
+The one gradient reducer (:mod:`zero.reducer`) with a reduce-scatter, one bucket per unit: hooks add
+each gradient into its unit's flat accumulator (in the accumulation dtype) and free ``param.grad``;
+once every trainable parameter of a unit has its gradient, the unit is reduce-scattered
+asynchronously while backward goes on, strictly in one order, identical on every rank (first
+reverse registration order, then, after the first reduction, the order units completed on rank 0).
+This module decides where each rank's reduced shard is kept.
 
 The two ways of doing it differ only in the :class:`GradSharding` value:
 
@@ -20,19 +21,20 @@ written as each reduction completes, with its norm measured on the window's last
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
-from zerospeed.distributed.comm import Comm, Handle
+from zerospeed.distributed.comm import Comm
 from zerospeed.offload.tier import StateTier
 from zerospeed.zero.flat_param import FlatParamUnit
-from zerospeed.zero.grads import ReductionPolicy
+from zerospeed.zero.reducer import (Bucket, BufferPool, GradReducer, GradSlot, ReduceScatter, ReducerStateError,
+                                    ReductionPolicy)
 from zerospeed.zero.step_grads import StepGrads
 
-if TYPE_CHECKING:
-    from zerospeed.zero.swapped import SwappedOptimizerState
+_BufferPool = BufferPool  # the name tests and older code import from here
 
 
 @dataclass(frozen=True)
@@ -48,8 +50,40 @@ class GradSharding:
         return cls(keep_full=stage == 1)
 
 
+class SlabGradStore(Protocol):
+    """Where the stage-2/3 gradient shards of some units live outside memory (their NVMe slabs): the
+    seam :meth:`ShardedGrads.keep_in_slabs` takes (:class:`zero.swapped.SwappedOptimizerState` today)."""
+
+    grads: dict[int, torch.Tensor]  # unit index -> its gradient region (empty while swapped out)
+
+    def holds_grad(self, unit_index: int) -> bool: ...
+
+    def store_grad(self, unit_index: int, values: torch.Tensor, accumulate: bool,
+                   accum_dtype: torch.dtype) -> torch.Tensor: ...
+
+    def flush_grads(self) -> None: ...
+
+
+class ShardWindow(enum.Enum):
+    """What a unit's gradient shard holds within the accumulation window."""
+
+    EMPTY = "empty"  # nothing of this window yet (stale values)
+    SUMMED = "summed"  # the sum of this window's reduced micro-batches so far
+    PREPARED = "prepared"  # NVMe: read in, with the step's recorded unscale/clip applied
+
+
+_SHARD_TRANSITIONS: dict[ShardWindow, frozenset[ShardWindow]] = {
+    ShardWindow.EMPTY: frozenset({ShardWindow.SUMMED}),
+    ShardWindow.SUMMED: frozenset({ShardWindow.SUMMED, ShardWindow.PREPARED}),
+    ShardWindow.PREPARED: frozenset(),
+}
+
+
 class _UnitGrads:
-    def __init__(self, index: int, unit: FlatParamUnit, dtype: torch.dtype, keep_full: bool, tier: StateTier | None):
+    """One unit's gradient shard on this rank: where it is kept, and what it holds in this window."""
+
+    def __init__(self, index: int, unit: FlatParamUnit, dtype: torch.dtype, acc: torch.Tensor | None,
+                 tier: StateTier | None):
         self.index = index
         self.unit = unit
         self.plan = unit.plan
@@ -57,55 +91,37 @@ class _UnitGrads:
         lo, hi = self.plan.shard_range(unit.comm.rank)
         self.lo, self.hi = lo, hi
         self.device = unit.full.device
-        self.acc: torch.Tensor | None = None
-        if keep_full:
-            self.acc = torch.zeros(self.plan.padded_numel, dtype=dtype, device=self.device)
-            self.shard = self.acc[lo:hi]
+        if acc is not None:  # stage 1: the shard is this rank's part of the kept accumulator
+            self.shard = acc[lo:hi]
         elif tier is not None and tier.swaps:  # the slab's gradient region, set by keep_in_slabs
             self.shard = torch.empty(0, dtype=torch.float32)
         else:  # in the optimizer's tier: an offloaded optimizer gets its gradients where it runs
             where = tier.device if tier is not None else self.device
             self.shard = torch.zeros(hi - lo, dtype=dtype, device=where,
                                      pin_memory=tier is not None and tier.pinned)
-        self.swapped: SwappedOptimizerState | None = None  # the state keeping this shard on NVMe, if any
+        self.swapped: SlabGradStore | None = None  # the store keeping this shard in a slab, if any
         self.final_norm: torch.Tensor | None = None  # NVMe: the norm of this window's final value
-        self.prepared = False  # NVMe: the step's recorded unscale/clip applied since it was read in
-        self.written = [False] * len(self.plan.params)  # slots of ``acc`` holding this window's values
-        self.n_trainable = sum(unit.trainable)
-        self.received: set[int] = set()
-        self.shard_written = False  # ``shard`` holds this window's sum so far (stages 2-3)
-        self.handle: Handle | None = None
-        self.wire: torch.Tensor | None = None
-        self.launched = False  # sent in the current backward
+        self.window = ShardWindow.EMPTY
 
-    def ensure_acc(self, pool: "_BufferPool") -> torch.Tensor:
-        if self.acc is None:
-            self.acc = pool.take(self.plan.padded_numel, self.dtype, self.device)
-            self.written = [False] * len(self.plan.params)
-        return self.acc
+    def advance(self, new: ShardWindow) -> None:
+        if new not in _SHARD_TRANSITIONS[self.window]:
+            raise ReducerStateError(f"internal error: the gradient shard of unit {self.plan.name!r} cannot go "
+                                    f"from {self.window.value} to {new.value}")
+        self.window = new
 
-    def view(self, slot: int, pool: "_BufferPool") -> torch.Tensor:
-        s = self.plan.params[slot]
-        return self.ensure_acc(pool)[s.offset: s.end].view(s.shape)
+    def new_window(self) -> None:
+        self.window = ShardWindow.EMPTY
+        self.final_norm = None
 
 
-class _BufferPool:
-    """A few freed accumulators kept for reuse: transformer blocks are all the same size, and a fresh
-    large allocation each micro-batch costs page faults on every step."""
-
-    def __init__(self, keep: int):
-        self.keep = keep
-        self.free: list[torch.Tensor] = []
-
-    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        for i, t in enumerate(self.free):
-            if t.numel() == numel and t.dtype == dtype and t.device == device:
-                return self.free.pop(i)
-        return torch.empty(numel, dtype=dtype, device=device)
-
-    def give(self, tensor: torch.Tensor) -> None:
-        self.free.append(tensor)
-        del self.free[: max(len(self.free) - self.keep, 0)]
+def _unit_bucket(index: int, unit: FlatParamUnit, first_param: int) -> tuple[Bucket, int]:
+    """Unit ``index`` as a reducer bucket (frozen parameters' slots have no hook), and the index the
+    next unit's first trainable parameter gets."""
+    slots = []
+    for s, trainable in zip(unit.plan.params, unit.trainable, strict=True):
+        slots.append(GradSlot(s.offset, torch.Size(s.shape), first_param if trainable else None))
+        first_param += int(trainable)
+    return Bucket(index, slots, unit.plan.padded_numel, unit.full.device), first_param
 
 
 class ShardedGrads:
@@ -114,53 +130,52 @@ class ShardedGrads:
     def __init__(self, units: Sequence[FlatParamUnit], comm: Comm, sharding: GradSharding, *,
                  accum_dtype: torch.dtype = torch.float32, policy: ReductionPolicy = ReductionPolicy(),
                  overlap: bool = True, max_in_flight_elems: int = 500_000_000,
-                 shard_tiers: Sequence[StateTier] | None = None):
+                 shard_tiers: Sequence[StateTier] | None = None,
+                 on_final_shard: Callable[[int], None] | None = None):
         """``overlap=False`` (``overlap_comm: false``) waits for each reduction as it is launched.
         ``shard_tiers``: per unit, where stages 2-3 keep the gradient shard (the optimizer's tier: CPU
-        memory under ``offload_optimizer``, so each unit's reduced gradient moves there as it completes)."""
+        memory under ``offload_optimizer``, so each unit's reduced gradient moves there as it completes).
+        ``on_final_shard(u)``: called when unit ``u``'s shard is final (the early optimizer step listens)."""
         self.comm = comm
-        self.overlap = overlap
-        # Stages 2-3: a reduction that has finished is folded into its shard (and its full
-        # accumulator freed) at the next launch; more than ``reduce_bucket_size`` elements in flight
-        # make the oldest be waited for, so the bucket size bounds gradient memory as in DeepSpeed.
-        self.max_in_flight_elems = max(int(max_in_flight_elems), 1)
-        self._in_flight: list[_UnitGrads] = []
-        self._pool = _BufferPool(keep=3)
         self.sharding = sharding
         self.policy = policy
-        tiers = list(shard_tiers) if shard_tiers is not None else [None] * len(units)
-        self.units = [_UnitGrads(i, u, accum_dtype, sharding.keep_full, None if sharding.keep_full else tiers[i])
-                      for i, u in enumerate(units)]
-        self._where: dict[int, tuple[int, int]] = {}
-        self._hooks = []
+        self._on_final_shard = on_final_shard
+        params = [p for unit in units for p, trainable in zip(unit.params, unit.trainable, strict=True) if trainable]
+        buckets, first = [], 0
         for u, unit in enumerate(units):
-            for slot, p in enumerate(unit.params):
-                if p.requires_grad:
-                    self._where[id(p)] = (u, slot)
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
-        if not self._where:
-            raise ValueError("no trainable parameters: every parameter has requires_grad=False")
+            bucket, first = _unit_bucket(u, unit, first)
+            buckets.append(bucket)
         # Units without trainable parameters never get a gradient and are never reduced. Until the
         # first backward shows the real order, units go out in reverse registration order, except that
         # stage 3's persistent unit (small parameters of every layer) comes last: its gradients are
         # complete only at the very end, and launching strictly in order would otherwise hold every
         # other unit's gradient back until then (the whole model's gradients in memory at once).
-        backwards = [u for u in reversed(range(len(self.units))) if self.units[u].n_trainable]
+        backwards = [u for u in reversed(range(len(units))) if buckets[u].n_trainable]
         mixed = len({unit.persistent for unit in units}) > 1
-        self.order = [u for u in backwards if not (mixed and units[u].persistent)] + \
-                     [u for u in backwards if mixed and units[u].persistent]
-        self._observed: list[int] = []
-        self._relaid = False
-        self._next = 0
-        self.reducing = False  # set by begin_backward: this backward's gradients are reduced
+        order = [u for u in backwards if not (mixed and units[u].persistent)] + \
+                [u for u in backwards if mixed and units[u].persistent]
+        # Stages 2-3: a reduction that has finished is folded into its shard (and its full
+        # accumulator freed) at the next launch; more than ``reduce_bucket_size`` elements in flight
+        # make the oldest be waited for, so the bucket size bounds gradient memory as in DeepSpeed.
+        self.reducer = GradReducer(params, buckets, order, comm, collective=ReduceScatter(comm), policy=policy,
+                                   accum_dtype=accum_dtype, land=self._land, late_gradient=self._late_gradient,
+                                   on_reduced=self._reduced, keep_accumulators=sharding.keep_full,
+                                   fold_early=not sharding.keep_full, overlap=overlap,
+                                   max_in_flight_elems=max(int(max_in_flight_elems), 1))
+        tiers = list(shard_tiers) if shard_tiers is not None else [None] * len(units)
+        self.units = [_UnitGrads(i, u, accum_dtype, buckets[i].acc, None if sharding.keep_full else tiers[i])
+                      for i, u in enumerate(units)]
         self.final = False  # this backward is the window's last: a completed reduction is the final shard
-        # called with a unit's index when its shard is final (the early optimizer step listens)
-        self.on_final_shard: Callable[[int], None] | None = None
         self._window_reduced = False  # stage 1: the window's accumulators have been reduced
         self._step_grads: StepGrads | None = None  # this window's, once the step has asked for them
-        self._swapped: list[SwappedOptimizerState] = []  # the NVMe stores holding some units' shards
+        self._swapped: list[SlabGradStore] = []  # the swapped stores holding some units' shards
 
-    def keep_in_slabs(self, swapped: SwappedOptimizerState) -> None:
+    @property
+    def order(self) -> list[int]:
+        """Unit indices in launch order."""
+        return self.reducer.order
+
+    def keep_in_slabs(self, swapped: SlabGradStore) -> None:
         """Keep the shards of the units ``swapped`` (a :class:`SwappedOptimizerState`) holds gradient
         regions for in those regions instead of memory (stages 2-3)."""
         if self.sharding.keep_full:
@@ -178,129 +193,62 @@ class ShardedGrads:
             raise RuntimeError("a second engine.backward() on the last micro-batch of an accumulation window: "
                                "its gradients were already sent for averaging; call backward once per "
                                "micro-batch (add the losses first)")
-        self.reducing = reduce or not self.sharding.keep_full
         self.final = reduce
-        self._next = 0
-        for g in self.units:
-            g.received.clear()
-            g.launched = False
+        self.reducer.begin_pass(reduce or not self.sharding.keep_full)
 
-    def _on_grad(self, param: torch.Tensor) -> None:
-        u, slot = self._where[id(param)]
-        g = self.units[u]
-        if g.launched:
-            raise RuntimeError(f"a gradient for a parameter of unit {g.plan.name!r} arrived after the unit "
-                               f"was reduced in this backward; a parameter used again after its unit's "
-                               f"backward is not supported")
-        if param.grad is not None:
-            view = g.view(slot, self._pool)
-            if g.written[slot]:
-                view.add_(param.grad)
-            else:
-                view.copy_(param.grad)
-                g.written[slot] = True
-            param.grad = None
-        if self.reducing:
-            g.received.add(slot)
-            if len(g.received) == g.n_trainable:
-                if not self._relaid:
-                    self._observed.append(u)
-                self._launch_ready()
+    @property
+    def reducing(self) -> bool:
+        """This backward's gradients are reduced."""
+        return self.reducer.reducing
 
-    def _launch_ready(self) -> None:
-        while self._next < len(self.order):
-            g = self.units[self.order[self._next]]
-            if len(g.received) < g.n_trainable:
-                return
-            self._launch(g)
-            self._next += 1
+    def _late_gradient(self, bucket: Bucket) -> Exception:
+        return RuntimeError(f"a gradient for a parameter of unit {self.units[bucket.index].plan.name!r} arrived "
+                            f"after the unit was reduced in this backward; a parameter used again after its "
+                            f"unit's backward is not supported")
 
-    def _launch(self, g: _UnitGrads) -> None:
-        g.launched = True
-        acc = g.ensure_acc(self._pool)
-        for slot, written in enumerate(g.written):
-            if not written:  # no gradient this window (unused or frozen parameter): zero
-                s = g.plan.params[slot]
-                acc[s.offset: s.end].zero_()
-                g.written[slot] = True
-        acc[g.plan.numel:].zero_()  # padding
-        dtype = self.policy.reduce_dtype
-        wire = acc if dtype is None or dtype == acc.dtype else acc.to(dtype)
-        self.policy.before(wire, self.comm.world_size)
-        g.wire = wire
-        g.handle = self.comm.reduce_scatter(wire[g.lo:g.hi], wire, async_op=True, inputs_writable=True)
-        self._in_flight.append(g)
-        if not self.overlap:
-            self._complete(self._in_flight.pop(0))
-        elif not self.sharding.keep_full:
-            while self._in_flight and self._in_flight[0].handle.is_completed():
-                self._complete(self._in_flight.pop(0))
-            while sum(g.plan.padded_numel for g in self._in_flight) > self.max_in_flight_elems:
-                self._complete(self._in_flight.pop(0))
-
-    def _complete(self, g: _UnitGrads) -> None:
-        """Wait for ``g``'s reduction, average it into the shard, free the full accumulator (stages 2-3)."""
-        assert g.handle is not None and g.wire is not None
-        g.handle.wait()
-        out = g.wire[g.lo:g.hi]
-        self.policy.after(out, self.comm.world_size)
+    def _land(self, bucket: Bucket, out: torch.Tensor) -> None:
+        """Keep unit ``bucket.index``'s averaged shard ``out``: in the stage-1 accumulator, added into
+        the window's shard (stages 2-3), or in the unit's slab file (NVMe), while backward goes on."""
+        g = self.units[bucket.index]
+        accumulate = g.window is ShardWindow.SUMMED
         if self.sharding.keep_full:
             if out.data_ptr() != g.shard.data_ptr():
                 g.shard.copy_(out)
-        elif g.swapped is not None:  # into the unit's slab file, while backward goes on
-            value = g.swapped.store_grad(g.index, out.to("cpu"), accumulate=g.shard_written, accum_dtype=g.dtype)
-            g.shard_written = True
+        elif g.swapped is not None:
+            value = g.swapped.store_grad(g.index, out.to("cpu"), accumulate=accumulate, accum_dtype=g.dtype)
             if self.final:
                 g.final_norm = torch.linalg.vector_norm(value, dtype=torch.float32)
-            assert g.acc is not None
-            self._pool.give(g.acc)
-            g.acc = None
         else:
             if out.device != g.shard.device:  # an offloaded gradient shard: this unit's part moves now
                 out = out.to(g.shard.device)
-            if g.shard_written:
+            if accumulate:
                 g.shard.add_(out)
             else:
                 g.shard.copy_(out)
-                g.shard_written = True
-            assert g.acc is not None
-            self._pool.give(g.acc)
-            g.acc = None  # the full gradient is freed as soon as it is reduced
-        g.handle = g.wire = None
-        if self.final and self.on_final_shard is not None:
-            self.on_final_shard(g.index)
+        g.advance(ShardWindow.SUMMED)
+
+    def _reduced(self, index: int) -> None:
+        if self.final and self._on_final_shard is not None:
+            self._on_final_shard(index)
 
     def end_backward(self) -> None:
         """After backward: reduce what is left (in order) and wait, when this backward reduces."""
-        if not self.reducing:
+        if not self.reducer.reducing:
             return
-        while self._next < len(self.order):
-            self._launch(self.units[self.order[self._next]])
-            self._next += 1
-        while self._in_flight:
-            self._complete(self._in_flight.pop(0))
+        self.reducer.flush()
         for swapped in self._swapped:  # the gradient files are complete before anything reads them
             swapped.flush_grads()
-        for u in self.order:
-            self.units[u].received.clear()
-        self.reducing = False
+        self.reducer.reducing = False
         self._window_reduced = True
-        if not self._relaid:
-            self._relay()
+        if not self.reducer.relaid:  # launch in the order units completed on rank 0
+            self.reducer.set_order(self.reducer.completion_order(self.reducer.agreed_arrivals()))
 
     def finish(self) -> None:
         """At the step: reduce a stage-1 window whose last backward ran inside ``no_sync()``."""
         if self.sharding.keep_full and not self._window_reduced:
-            self.reducing = self.final = True
-            self._next = 0
+            self.final = True
+            self.reducer.begin_pass(True)
             self.end_backward()
-
-    def _relay(self) -> None:
-        """Launch in the order units completed on rank 0 (every rank then issues the same sequence)."""
-        seen = list(dict.fromkeys(self.comm.all_gather_object(self._observed)[0]))
-        self.order = seen + [u for u in self.order if u not in set(seen)]
-        self._relaid = True
-        self._observed = []
 
     # -- step -------------------------------------------------------------------------------
     def shards(self) -> list[torch.Tensor]:
@@ -318,39 +266,33 @@ class ShardedGrads:
 
     def prepare(self, unit_index: int) -> None:
         """Unit ``unit_index``'s NVMe-kept shard was just read in: apply the step's unscale and clip
-        (once per window; a no-op for shards in memory, already done in place)."""
+        (once per window; a no-op for shards in memory, already done in place, and for a unit that
+        got no gradient in this window)."""
         g = self.units[unit_index]
-        if g.swapped is not None and not g.prepared and self._step_grads is not None:
+        if g.swapped is not None and g.window is ShardWindow.SUMMED and self._step_grads is not None:
             self._step_grads.apply(g.shard)
-            g.prepared = True
+            g.advance(ShardWindow.PREPARED)
 
     def zero(self) -> None:
         """Start a new accumulation window."""
         self.final = False
-        while self._in_flight:  # only after an error mid-backward
-            self._complete(self._in_flight.pop(0))
+        self.reducer.new_window()  # (waits for anything still in flight: only after an error mid-backward)
         self._window_reduced = False
         self._step_grads = None
         for swapped in self._swapped:
             swapped.flush_grads()
         for g in self.units:
-            g.written = [False] * len(g.plan.params)
-            g.shard_written = False
-            g.final_norm, g.prepared = None, False
-            g.received.clear()
-            g.launched = False
-        self._next = 0
+            g.new_window()
 
     def tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(gradient state, transient buffers) held right now, for memory accounting."""
-        state = [g.acc for g in self.units if g.acc is not None and self.sharding.keep_full]
+        buckets = self.reducer.buckets
+        state = [b.acc for b in buckets if b.acc is not None and self.sharding.keep_full]
         state += [g.shard for g in self.units if not self.sharding.keep_full]
-        transient = [g.acc for g in self.units if g.acc is not None and not self.sharding.keep_full]
-        transient += [g.wire for g in self.units if g.wire is not None and g.wire is not g.acc]
-        transient += self._pool.free
+        transient = [b.acc for b in buckets if b.acc is not None and not self.sharding.keep_full]
+        transient += [b.wire for b in buckets if b.wire is not None and b.wire is not b.acc]
+        transient += self.reducer.pool.free
         return state, transient
 
     def remove_hooks(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
+        self.reducer.remove_hooks()
