@@ -68,9 +68,13 @@ class Lamb(torch.optim.Optimizer):
                         max_grad_norm=max_grad_norm, max_coeff=max_coeff, min_coeff=min_coeff)
         super().__init__(params, defaults)
         self.lamb_coeffs: list[Tensor] = []
-        # Set by ZeRO when the parameters are shards: maps the shards' squared norms to their whole
-        # parameters' (a collective, so it is called for every group on every rank, even empty ones).
+        # maps shards' squared norms to their whole parameters' (see reduce_norms_with)
         self.norm_reducer: Callable[[list[Tensor], Tensor], Tensor] | None = None
+
+    def reduce_norms_with(self, reducer: Callable[[list[Tensor], Tensor], Tensor]) -> None:
+        """The parameters are shards (ZeRO): ``reducer`` maps their squared norms to the whole
+        parameters' (a collective, so it is called for every group on every rank, even empty ones)."""
+        self.norm_reducer = reducer
 
     def get_lamb_coeffs(self) -> list[float]:
         """Trust ratios applied in the last step (DeepSpeed's FusedLamb API)."""

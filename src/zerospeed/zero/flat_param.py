@@ -17,6 +17,7 @@ state (here a :class:`UnitParamRef`); everything else lives in the owner, never 
 from __future__ import annotations
 
 import contextlib
+import enum
 from typing import Callable, ContextManager
 
 import torch
@@ -38,6 +39,23 @@ def shape_of(param: torch.Tensor) -> tuple[int, ...]:
     """The full shape, also for a parameter partitioned by ``zero.Init`` (whose data is empty)."""
     partition = init_partition(param)
     return partition.shape if partition is not None else tuple(param.shape)
+
+
+class UnitPhase(enum.Enum):
+    """Where a unit's ``full`` buffer is in its gather/release cycle."""
+
+    RELEASED = "released"  # ``full`` has no memory; parameters are empty
+    READING = "reading"  # the shard's NVMe read is in flight; the all-gather follows in ``wait()``
+    GATHERING = "gathering"  # the all-gather is in flight
+    GATHERED = "gathered"  # ``full`` holds every rank's values
+
+
+_MOVES = {
+    UnitPhase.RELEASED: {UnitPhase.READING, UnitPhase.GATHERING},
+    UnitPhase.READING: {UnitPhase.GATHERING, UnitPhase.RELEASED},  # RELEASED: the read failed
+    UnitPhase.GATHERING: {UnitPhase.GATHERED},
+    UnitPhase.GATHERED: {UnitPhase.RELEASED},
+}
 
 
 class FlatParamUnit:
@@ -74,25 +92,46 @@ class FlatParamUnit:
             placed = shard_tier.place(own) if shard_tier is not None else own
             self.shard = placed.clone() if placed is own else placed
         self._staged: torch.Tensor | None = None  # the shard's copy on the compute device, while gathering
-        self.shard_lease: SlabLease | None = None  # offload_param nvme: the shard's file residency
-        self._gather_holds_shard = False
-        self._gather_after_read = False  # NVMe: the shard's read is in flight, the all-gather not yet issued
+        self.shard_lease: SlabLease | None = None  # a swapped shard's file residency (keep_shard_in)
+        self._gather_holds_shard = False  # the lease was acquired for the gather in flight
         self._empty = torch.empty(0, dtype=self.dtype, device=device)
         for p, view in zip(params, self._views):
             p.data = view
         self.master: torch.Tensor | None = None  # this shard's fp32 master, when the optimizer keeps one
-        # a context in which ``master`` is in memory and changes to it are kept (NVMe tier: set by the state)
+        # a context in which ``master`` is in memory and changes to it are kept (see bind_master)
         self.master_resident: Callable[[], ContextManager[None]] = contextlib.nullcontext
         self._pending: Handle | None = None
-        self._gathered = True
+        self.phase = UnitPhase.GATHERED
         if not persistent:
             self.release()
 
+    # -- wiring (the owning state, once the optimizer's masters and the shard's slab exist) --------
+    def bind_master(self, master: torch.Tensor,
+                    resident: Callable[[], ContextManager[None]] | None = None) -> None:
+        """This shard's fp32 master, and (optionally) the context that keeps it in memory and its
+        changes (an NVMe-tier master is read in and written back around it)."""
+        self.master = master
+        if resident is not None:
+            self.master_resident = resident
+
+    def keep_shard_in(self, lease: SlabLease) -> None:
+        """A non-persistent unit's shard lives in a slab between uses; gathers read it in first."""
+        if self.persistent or self.phase is not UnitPhase.RELEASED:
+            raise AssertionError(f"internal error: unit {self.plan.name!r} can only swap its shard while released "
+                                 f"and not persistent (phase {self.phase.value})")
+        self.shard_lease = lease
+
     # -- state ------------------------------------------------------------------------------
+    def _move(self, to: UnitPhase) -> None:
+        if to not in _MOVES[self.phase]:
+            raise AssertionError(f"internal error: unit {self.plan.name!r} cannot go from {self.phase.value} "
+                                 f"to {to.value}")
+        self.phase = to
+
     @property
     def gathered(self) -> bool:
         """True while ``full`` holds every rank's values (or a gather of them is in flight)."""
-        return self._gathered
+        return self.phase is not UnitPhase.RELEASED
 
     @property
     def numel(self) -> int:
@@ -100,31 +139,33 @@ class FlatParamUnit:
 
     def release(self) -> None:
         """Free ``full``'s memory (non-persistent units only); the parameters keep their shapes."""
-        if self.persistent or not self._gathered:
+        if self.persistent or self.phase is UnitPhase.RELEASED:
             return
         self.wait()
+        self._free_full()
+
+    def _free_full(self) -> None:
         for p in self.params:
             p.data = self._empty
         self.full.untyped_storage().resize_(0)
-        self._gathered = False
+        self._move(UnitPhase.RELEASED)
 
     def gather(self, async_op: bool = False) -> None:
         """All-gather every rank's shard into ``full``; ``wait()`` before reading when async."""
-        if self._gathered:
+        if self.phase is not UnitPhase.RELEASED:
             if not async_op:
                 self.wait()
             return
         self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
         for p, view in zip(self.params, self._views):
             p.data = view
-        self._gathered = True
         if self.shard_lease is not None:
-            # an NVMe-tier shard is read in for the all-gather: a prefetch (async_op) only starts the
+            # a swapped shard is read in for the all-gather: a prefetch (async_op) only starts the
             # read, and the all-gather follows in wait() (every rank waits for its units in the same
             # order, so the collectives still line up)
             self.shard_lease.acquire(wait=False)
             self._gather_holds_shard = True
-            self._gather_after_read = True
+            self._move(UnitPhase.READING)
         else:
             self._launch_gather()
         if not async_op:
@@ -135,28 +176,31 @@ class FlatParamUnit:
         if source.device != self.full.device:  # offloaded shard: to the device first (async from pinned)
             source = self._staged = source.to(self.full.device, non_blocking=True)
         self._pending = self.comm.all_gather(self.full, source, async_op=True)
+        self._move(UnitPhase.GATHERING)
 
     def wait(self) -> None:
-        lease = self.shard_lease  # set whenever the gather holds the shard (NVMe tier)
-        if self._gather_after_read:
-            self._gather_after_read = False
-            assert lease is not None
+        """Finish a gather in flight (a no-op when none is)."""
+        if self.phase is UnitPhase.READING:
+            lease = self.shard_lease
+            assert lease is not None, "a unit reading its shard has a lease"
             try:
                 lease.ready()
             except BaseException:  # the shard could not be read: nothing was gathered, let go of it all
                 self._gather_holds_shard = False
                 lease.release()
-                self.release()  # frees ``full`` again
+                self._free_full()
                 raise
             self._launch_gather()
         if self._pending is not None:
             handle, self._pending = self._pending, None
             handle.wait()
             self._staged = None
+        if self.phase is UnitPhase.GATHERING:
+            self._move(UnitPhase.GATHERED)
         if self._gather_holds_shard:
             self._gather_holds_shard = False
-            assert lease is not None
-            lease.release()
+            assert self.shard_lease is not None, "a unit holding its shard for a gather has a lease"
+            self.shard_lease.release()
 
     def shard_resident(self, write_back: bool = False) -> ContextManager[None]:
         """``shard`` in memory inside the block (NVMe tier; ``write_back`` when the block changes it)."""
@@ -185,6 +229,6 @@ class FlatParamUnit:
     def tensors(self) -> list[torch.Tensor]:
         """The buffers this unit holds right now (for memory accounting)."""
         held = [self.shard] if not self.persistent else []
-        if self._gathered:
+        if self.phase is not UnitPhase.RELEASED:
             held.append(self.full)
         return held

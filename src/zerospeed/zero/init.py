@@ -185,7 +185,7 @@ class Init(contextlib.ContextDecorator):
                 init._partition(module)
 
         __init__.__wrapped__ = original  # type: ignore[attr-defined]
-        cls.__init__ = __init__
+        cls.__init__ = __init__  # type: ignore[misc]  # patched on the class itself, restored on exit
         self._patched.append((cls, original))
 
     def _partition(self, module: nn.Module) -> None:
@@ -224,18 +224,16 @@ def _dtype_from(cfg: Any) -> torch.dtype | None:
 
 
 @contextlib.contextmanager
-def GatheredParameters(params: nn.Parameter | Iterable[nn.Parameter], modifier_rank: int | None = None,
+def GatheredParameters(params: torch.Tensor | Iterable[torch.Tensor | None], modifier_rank: int | None = None,
                        fwd_module: nn.Module | None = None, enabled: bool = True) -> Iterator[None]:
     """Make partitioned parameters whole inside the block (a no-op for parameters that are not)."""
-    if isinstance(params, torch.Tensor):
-        params = [params]
-    params = [p for p in params if p is not None]
+    tensors = [params] if isinstance(params, torch.Tensor) else [p for p in params if p is not None]
     if not enabled:
         yield
         return
-    partitions = [o for o in map(init_partition, params) if o is not None]
+    partitions = [o for o in map(init_partition, tensors) if o is not None]
     engine_units: list[FlatParamUnit] = []
-    for p in params:
+    for p in tensors:
         owner = engine_owner(p)
         unit = owner.unit if owner is not None else None
         if unit is not None and all(unit is not u for u in engine_units):

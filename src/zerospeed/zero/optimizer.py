@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Generator
 from typing import Callable, Sequence
 
 import torch
@@ -44,13 +45,19 @@ def check_supported(optimizer: torch.optim.Optimizer, allow_untested: bool) -> N
                      f"\"zero_allow_untested_optimizer\": true in the config to use it anyway")
 
 
+def _nothing(unit_index: int) -> None:
+    """The default ``before_update``: gradients in memory need nothing when their unit is resident."""
+
+
 class ZeroOptimizer:
     """Masters and the wrapped optimizer for this rank's shards; see the module docstring."""
 
     def __init__(self, units: Sequence[FlatParamUnit], comm: Comm, *, master_dtype: torch.dtype,
-                 allgather_bucket_elems: int, store: StateStore | None = None):
+                 allgather_bucket_elems: int, store: StateStore | None = None, grads_in_slabs: bool = False):
         """``store``: where masters and optimizer states live (CPU memory under ``offload_optimizer``,
-        for all units or, with ``ratio < 1``, the later ones); default: with the shards."""
+        for all units or, with ``ratio < 1``, the later ones); default: with the shards.
+        ``grads_in_slabs``: swapped slabs also carry the unit's gradient shard (stages 2-3: gradient
+        shards stay out of memory)."""
         self.units = list(units)
         self.comm = comm
         self.allgather_bucket_elems = max(int(allgather_bucket_elems), 1)
@@ -99,11 +106,7 @@ class ZeroOptimizer:
         self.store = store
         self.swapped: SwappedOptimizerState | None = None  # NVMe-tier units, built by adopt()
         self.storage: TierStorage = MemoryStorage()  # where swapped units live (their NVMe run), set by adopt()
-        # called with a unit's index once it is resident for its update, before its gradient is used
-        # (NVMe-kept gradient shards get the step's unscale and clip then)
-        self.before_update: Callable[[int], None] = lambda unit_index: None
-        # whether NVMe-tier slabs carry a gradient region (stages 2-3: gradient shards stay out of memory)
-        self.grads_in_slabs = False
+        self.grads_in_slabs = grads_in_slabs
 
     # -- wiring -----------------------------------------------------------------------------
     def adopt(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -124,7 +127,7 @@ class ZeroOptimizer:
         if isinstance(optimizer, Lamb):
             if any(group.get("max_grad_norm", 0) > 0 for group in optimizer.param_groups):
                 raise NotImplementedError("Lamb's max_grad_norm under ZeRO: use gradient_clipping instead")
-            optimizer.norm_reducer = self.reduce_piece_norms
+            optimizer.reduce_norms_with(self.reduce_piece_norms)
         self.optimizer = optimizer
         swapping = [u for u, tier in enumerate(self.tiers) if tier.swaps]
         if swapping:
@@ -151,7 +154,7 @@ class ZeroOptimizer:
             raise
         self.swapped, self.storage = swapped, run
         for u in units:
-            self.units[u].master = self.masters[u]
+            self.units[u].bind_master(self.masters[u])
 
     def _fill_master(self, unit_index: int, out: torch.Tensor) -> None:
         """Write unit ``unit_index``'s master values (its shard, in the master dtype) into ``out``."""
@@ -189,12 +192,14 @@ class ZeroOptimizer:
 
     # -- step -------------------------------------------------------------------------------
     def step(self, grad_shards: Sequence[torch.Tensor], done: frozenset[int] | set[int] = frozenset(),
-             copied: frozenset[int] | set[int] = frozenset()) -> None:
+             copied: frozenset[int] | set[int] = frozenset(),
+             before_update: Callable[[int], None] = _nothing) -> None:
         """Update the pieces from the (unscaled, clipped) gradient shards, then publish the shards.
 
         ``done``: units already updated this window (stepped early, during backward; see
         :mod:`zerospeed.zero.eager`), of which ``copied`` already have their compute-dtype shard
-        written. When shards must be all-gathered afterwards (stages 1-2), the update runs unit by
+        written. ``before_update(u)`` runs once unit ``u`` is resident for its update, before its
+        gradient is used (gradient shards kept in slabs get the step's unscale and clip then). When shards must be all-gathered afterwards (stages 1-2), the update runs unit by
         unit and each unit's all-gather goes out as soon as that unit is updated, overlapping the
         rest of the step (Lamb, whose step is one collective pass over every group, updates all
         units at once).
@@ -215,13 +220,13 @@ class ZeroOptimizer:
                 for u, (unit, master) in enumerate(zip(self.units, self.masters)):
                     publisher.publish(unit, master, copied=u in copied)
             else:
-                self._step_unit_by_unit(grad_shards, done, set(copied), publisher)
+                self._step_unit_by_unit(grad_shards, done, set(copied), publisher, before_update)
             publisher.wait_all()
         finally:
             self._detach_grads(todo)
 
     def _step_unit_by_unit(self, grad_shards: Sequence[torch.Tensor], done: frozenset[int] | set[int],
-                           copied: set[int], publisher: "_Publisher") -> None:
+                           copied: set[int], publisher: "_Publisher", before_update: Callable[[int], None]) -> None:
         """Update and publish one unit at a time: each unit's all-gather overlaps the next update, and
         NVMe-tier units stream through memory (read ahead, written back behind)."""
         assert self.optimizer is not None
@@ -232,7 +237,7 @@ class ZeroOptimizer:
         prefetched: list[tuple[int, SlabLease]] = []  # units whose NVMe-tier parameter shard is read ahead
         try:
             # closed on the way out, so a failed step releases its unit at once (its file untouched)
-            with contextlib.closing(stream) if self.swapped is not None else contextlib.nullcontext():
+            with contextlib.closing(stream) if isinstance(stream, Generator) else contextlib.nullcontext():
                 for u in stream:
                     unit, master = self.units[u], self.masters[u]
                     following = self.units[u + 1].shard_lease if u + 1 < len(self.units) else None
@@ -245,7 +250,7 @@ class ZeroOptimizer:
                             # the copy-out targets are views of the shard: made while it is resident
                             unit_copy_out = self.copy_out_targets([u])
                             unit_copied = bool(unit_copy_out)
-                            self.before_update(u)
+                            before_update(u)
                             self._attach_grads({u: grad_shards[u]})
                             mine = self._unit_pieces[u]
                             for group, params in zip(groups, everything):
@@ -319,7 +324,8 @@ class ZeroOptimizer:
             self.optimizer.step()
         else:
             targets = {key: view for views in copy_out.values() for key, view in views.items()}
-            self.optimizer.step(fp16_param_groups=[[targets.get(id(p)) for p in group["params"]]
+            # the CPU optimizers' one-pass copy-out (CPUOptimizer.step), not torch's Optimizer.step
+            self.optimizer.step(fp16_param_groups=[[targets.get(id(p)) for p in group["params"]]  # type: ignore[call-overload]
                                                    for group in self.optimizer.param_groups])
         return time.perf_counter() - start
 
@@ -362,9 +368,9 @@ class _Publisher:
             handle, numel = self.in_flight.pop(0)
             handle.wait()
             self.live -= numel
-        handle = unit.publish_shard(async_op=True)
-        assert handle is not None
-        self.in_flight.append((handle, unit.numel))
+        published = unit.publish_shard(async_op=True)
+        assert published is not None, "a persistent unit publishes its shard"
+        self.in_flight.append((published, unit.numel))
         self.live += unit.numel
 
     def wait_all(self) -> None:

@@ -121,7 +121,7 @@ class ReplicatedState:
                 "total": params + grads + states, "buffers": 0, "offloaded": 0, "on_nvme": 0}
 
     def _state_tensors(self) -> list[torch.Tensor]:
-        out = list(self.master_params)  # the model's own parameters when there are no masters: excluded by the caller
+        out: list[torch.Tensor] = list(self.master_params)  # the model's own parameters when there are no masters: excluded by the caller
         if self.optimizer is not None:
             for state in self.optimizer.state.values():
                 out += [v for v in state.values() if isinstance(v, torch.Tensor)]

@@ -9,6 +9,7 @@ module (stage 3). The engine drives it exactly like :class:`ReplicatedState`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from typing import ContextManager, Iterator, Sequence
@@ -71,20 +72,19 @@ class ShardedState:
         self.param_swap: SwappedSlabs | None = None  # the swapped parameter shards in it
         self.units = self._build_units(specs, stage)
         overlap = zero_cfg.overlap_comm
+        sharding = GradSharding.for_stage(stage)
         self.zero_optimizer = ZeroOptimizer(self.units, comm, master_dtype=master_dtype,
                                             allgather_bucket_elems=zero_cfg.allgather_bucket_size,
-                                            store=self.store)
+                                            store=self.store, grads_in_slabs=not sharding.keep_full)
         # enabled by adopt(), once the optimizer is known to be elementwise
         self._overlap_requested = overlap_step or StepOverlap(False, 1, "not requested")
         self.eager = EagerSteps(self.zero_optimizer, self._overlap_requested.without("no optimizer"),
                                 grad_of=lambda u: self.grads.units[u].shard)
-        self.grads = ShardedGrads(self.units, comm, GradSharding.for_stage(stage), accum_dtype=accum_dtype,
+        self.grads = ShardedGrads(self.units, comm, sharding, accum_dtype=accum_dtype,
                                   policy=reduction, overlap=overlap,
                                   max_in_flight_elems=zero_cfg.reduce_bucket_size,
                                   shard_tiers=self.store.optimizer_tiers([p.shard_numel for p in self.plan.units]),
                                   on_final_shard=self.eager.ready)
-        self.zero_optimizer.grads_in_slabs = not self.grads.sharding.keep_full
-        self.zero_optimizer.before_update = self.grads.prepare
         self._final_backward_end: float | None = None  # when this window's last backward ended
         # seconds of the last step (for benchmarks): the early updates (wall), how much of them ran
         # before backward ended, how long step() waited for them, the update at the step, and
@@ -98,8 +98,8 @@ class ShardedState:
                                     overlap=overlap)
             self.coordinator = ParamCoordinator(model, self.units, module_users(model, specs, external), policy)
         for u, unit in enumerate(self.units):
-            unit.master = self.zero_optimizer.masters[u]
-            unit.master_resident = lambda u=u: self.resident_state([u], write_back=True)
+            unit.bind_master(self.zero_optimizer.masters[u],
+                             resident=functools.partial(self.resident_state, [u], write_back=True))
             for i, p in enumerate(unit.params):
                 set_owner(p, UnitParamRef(self, u, i))
 
@@ -155,7 +155,7 @@ class ShardedState:
             if error is None and slabs is not None and not unit.persistent and id(plan) not in in_memory:
                 try:
                     alias = unit.shard.view(-1)  # the same memory; ``unit.shard`` is re-pointed in and out
-                    unit.shard_lease = slabs.lease(slabs.add(alias, [unit.shard], check_room=False))
+                    unit.keep_shard_in(slabs.lease(slabs.add(alias, [unit.shard], check_room=False)))
                 except (OSError, ValueError, RuntimeError) as exc:
                     error = exc
         try:
@@ -208,7 +208,7 @@ class ShardedState:
         start = time.perf_counter()
         done, copied = self.eager.drain()
         waited = time.perf_counter() - start
-        self.zero_optimizer.step(self.grads.shards(), done=done, copied=copied)
+        self.zero_optimizer.step(self.grads.shards(), done=done, copied=copied, before_update=self.grads.prepare)
         spans, end = self.eager.spans, self._final_backward_end or start
         times = self.zero_optimizer.times
         self.last_step_times = {"early_update": sum(b - a for a, b in spans),
