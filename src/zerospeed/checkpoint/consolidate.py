@@ -216,9 +216,9 @@ def save_16bit_model(engine: CheckpointedEngine, save_dir: str, save_filename: s
         state: dict[str, torch.Tensor] = {}
         for key, value in module.state_dict(keep_vars=True).items():
             if isinstance(value, nn.Parameter):
-                name = canonical.get(id(value))
-                if name in weights:
-                    state[key] = weights[name]
+                owner = canonical.get(id(value))
+                if owner is not None and owner in weights:
+                    state[key] = weights[owner]
             else:
                 state[key] = value.detach().to("cpu", copy=True)
         os.makedirs(save_dir, exist_ok=True)

@@ -76,7 +76,12 @@ def rng_state() -> dict[str, Any]:
     """This process's RNG states in types ``weights_only`` loads (numpy's key array as a tensor)."""
     from zerospeed.accelerator import get_accelerator
 
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    # legacy=True is numpy's default; said explicitly because the stub's no-argument overload is
+    # the legacy=False one (a dict). The global RandomState is MT19937, so this is the tuple.
+    legacy = np.random.get_state(legacy=True)
+    if not isinstance(legacy, tuple):
+        raise TypeError(f"numpy's global RNG state is not MT19937's legacy tuple: {type(legacy).__name__}")
+    kind, keys, pos, has_gauss, cached = legacy
     state: dict[str, Any] = {"python": random.getstate(),
                              "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss),
                                        float(cached)),

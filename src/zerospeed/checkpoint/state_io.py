@@ -72,6 +72,19 @@ class RankPayload:
                 writer.write(tensor)
 
 
+@contextlib.contextmanager
+def _visiting(parts: Callable[[], Iterator[RankPayload]]) -> Iterator[Iterator[RankPayload]]:
+    """``contextlib.closing(parts())``: a generator is closed when the visit ends, even early (its
+    ``finally`` blocks run now). Typed as any iterator, so ``close`` is called only where it exists."""
+    visit = parts()
+    try:
+        yield visit
+    finally:
+        close = getattr(visit, "close", None)
+        if close is not None:
+            close()
+
+
 class StreamedPayload:
     """A rank's fragments produced in parts, each valid only until the next is asked for (NVMe-tier
     units made resident one group at a time), so a save never holds more than one part in memory.
@@ -86,7 +99,7 @@ class StreamedPayload:
         self._parts = parts
         self._entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
         summary = RankPayload()
-        with contextlib.closing(parts()) as visit:
+        with _visiting(parts) as visit:
             for part in visit:
                 self._entries += [(key, t.dtype, (t.numel(),)) for key, t in part.tensors]
                 summary.extend(RankPayload([], part.fragments, part.scalars, part.group_params))
@@ -99,7 +112,7 @@ class StreamedPayload:
     def write(self, path: str, metadata: Mapping[str, str]) -> None:
         """Write the file, visiting the parts again (one in memory at a time)."""
         position = 0
-        with StreamingWriter(path, self._entries, metadata) as writer, contextlib.closing(self._parts()) as visit:
+        with StreamingWriter(path, self._entries, metadata) as writer, _visiting(self._parts) as visit:
             for part in visit:
                 for key, tensor in part.tensors:
                     got = (key, tensor.dtype, (tensor.numel(),))
@@ -230,7 +243,9 @@ def restore_optimizer_states(slots: Sequence[Slot], optimizer: torch.optim.Optim
         optimizer.state.clear()
     else:
         for group in by_key.values():
-            optimizer.state.pop(group[0].opt_key, None)
+            opt_key = group[0].opt_key  # never None: by_key holds only slots with a key
+            if opt_key is not None:
+                optimizer.state.pop(opt_key, None)
     optimizer.state.update(state)
 
 

@@ -67,11 +67,12 @@ def reduce_op_name(op: "dist.ReduceOp | dist.ReduceOp.RedOpType | ReduceOpName")
     if isinstance(op, str):
         if op not in _NATIVE_OPS:
             raise ValueError(f"op={op!r} is not a reduction; expected one of {', '.join(_NATIVE_OPS)}")
-        return op  # type: ignore[return-value]
-    try:
+        return op
+    # Only the enum members are keys: a ``ReduceOp`` instance is not one (it never matched the
+    # dict lookup, since ``RedOpType.__eq__`` rejects it), so it is refused as before.
+    if isinstance(op, dist.ReduceOp.RedOpType) and op in _OP_NAMES:
         return _OP_NAMES[op]
-    except (KeyError, TypeError):
-        raise ValueError(f"op={op!r} is not supported; use ReduceOp.SUM, AVG, MAX, MIN or PRODUCT") from None
+    raise ValueError(f"op={op!r} is not supported; use ReduceOp.SUM, AVG, MAX, MIN or PRODUCT")
 
 
 # Backends whose all_gather / reduce_scatter are known to be right when this rank's part of the
@@ -396,16 +397,17 @@ class Comm:
         # facts every rank shares (sizes, policy, the flag) may pick the collective.
         via_all_reduce = (inputs_writable or not even) and self.reduce_scatter_policy.use_all_reduce(numel)
         seq = self._enter("reduce_scatter", _nbytes(parts))
-        flat = isinstance(inputs, torch.Tensor) and inputs.is_contiguous()
+        # the caller's one contiguous tensor, or None when inputs is a list or not contiguous
+        flat = inputs if isinstance(inputs, torch.Tensor) and inputs.is_contiguous() else None
         if via_all_reduce:
             # reshape(-1) of a contiguous tensor is a view: the caller's buffer is reduced in place
-            buffer = inputs.reshape(-1) if flat else torch.cat([p.reshape(-1) for p in parts])
+            buffer = flat.reshape(-1) if flat is not None else torch.cat([p.reshape(-1) for p in parts])
             start = sum(p.numel() for p in parts[: self.rank])
             recv = buffer[start: start + output.numel()]
             work = dist.all_reduce(buffer, op=_NATIVE_OPS[op], group=self.group, async_op=True)
         else:
-            if even and flat and output.is_contiguous():
-                send, recv = inputs.reshape(-1), output.reshape(-1)
+            if even and flat is not None and output.is_contiguous():
+                send, recv = flat.reshape(-1), output.reshape(-1)
                 if not self._alias_safe and _overlaps(send, recv):
                     recv = torch.empty_like(recv)
             else:
@@ -534,7 +536,11 @@ class Comm:
             return None
         if not tensor.is_floating_point():
             raise TypeError(f"op='avg' needs a floating-point tensor, got {tensor.dtype}")
-        return lambda: tensor.div_(self.world_size)
+
+        def average() -> None:
+            tensor.div_(self.world_size)
+
+        return average
 
     def _rank_parts(self, what: str, full: torch.Tensor | Sequence[torch.Tensor], local: torch.Tensor,
                     local_name: str) -> tuple[list[torch.Tensor], int, bool]:

@@ -219,8 +219,11 @@ def init_distributed(
 def process_group_timeout(default: datetime.timedelta = DEFAULT_TIMEOUT) -> datetime.timedelta:
     """The timeout the default process group was started with (``init_distributed(timeout=...)``),
     so zerospeed's own collectives time out when the user asked them to."""
+    world = dist.group.WORLD
+    if world is None:  # no default group: nothing to read the timeout from
+        return default
     try:
-        backend = dist.group.WORLD._get_backend(torch.device(get_accelerator().device_type))
+        backend = world._get_backend(torch.device(get_accelerator().device_type))
         return backend.options._timeout
     except Exception:  # older torch, or a backend without options: keep the default
         return default

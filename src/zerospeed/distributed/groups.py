@@ -21,8 +21,7 @@ def is_initialized() -> bool:
 
 def world_group() -> ProcessGroup:
     """The default group (every rank)."""
-    _require_initialized("world_group()")
-    return dist.group.WORLD
+    return _default_group("world_group()")
 
 
 def group_rank(group: ProcessGroup | None = None) -> int:
@@ -57,7 +56,7 @@ def new_partition(groups: Sequence[Sequence[int]]) -> ProcessGroup:
     """
     _require_initialized("new_partition()")
     if len(groups) == 1 and sorted(groups[0]) == list(range(dist.get_world_size())):
-        return dist.group.WORLD
+        return _default_group("new_partition()")
     mine, _ = dist.new_subgroups_by_enumeration([list(g) for g in groups])
     return mine
 
@@ -72,3 +71,12 @@ def _require_initialized(what: str) -> None:
     if not is_initialized():
         raise RuntimeError(f"{what} needs a process group; call zerospeed.init_distributed() "
                            f"(or zerospeed.comm.init_distributed()) first")
+
+
+def _default_group(what: str) -> ProcessGroup:
+    """The default group; torch types it Optional (None before init), so check it is up."""
+    _require_initialized(what)
+    world = dist.group.WORLD
+    if world is None:  # is_initialized() said yes, so torch has a default group; belt and braces
+        raise RuntimeError(f"{what}: torch.distributed reports no default process group")
+    return world

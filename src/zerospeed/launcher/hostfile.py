@@ -133,14 +133,13 @@ def parse_inclusion_exclusion(
         return selected
     flag, text = ("--include", include) if include else ("--exclude", exclude)
     requested = _parse_filter(text, flag, resources)
+    result: dict[str, list[int]] = {}
     if include:
-        result = {
-            host: (list(range(resources[host])) if requested[host] is None else requested[host])
-            for host in resources
-            if host in requested
-        }
+        for host in resources:
+            if host in requested:
+                wanted = requested[host]  # None: the whole host
+                result[host] = list(range(resources[host])) if wanted is None else wanted
     else:
-        result = {}
         for host, slots in selected.items():
             dropped = requested.get(host, [])
             if dropped is None:

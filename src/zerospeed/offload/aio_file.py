@@ -23,7 +23,12 @@ import errno
 import mmap
 import os
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    # ctypes' function-pointer base; typeshed declares it in _ctypes (ctypes._CFuncPtr is the same
+    # class at runtime, but the stub does not re-export that name)
+    from _ctypes import CFuncPtr
 
 ALIGN = 4096  # O_DIRECT alignment; a multiple of every common logical block size (512, 4096)
 O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -115,7 +120,7 @@ def open_direct(op: Literal["read", "write"], path: str) -> int:
         raise OSError(exc.errno, f"cannot open {path!r} with O_DIRECT for {op}: {exc.strerror}", path) from None
 
 
-def _libc_fallocate() -> ctypes._CFuncPtr | None:
+def _libc_fallocate() -> CFuncPtr | None:
     """Linux ``fallocate(2)`` (not glibc's ``posix_fallocate``, whose fallback writes zeros racily)."""
     try:
         func = ctypes.CDLL(None, use_errno=True).fallocate64

@@ -24,6 +24,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, Callable
 
@@ -81,8 +82,11 @@ def _rank_main(fn: Callable[..., Any], setup: _RankSetup, conn: mpc.Connection, 
     report: _Report
     try:
         store = dist.TCPStore(_HOST, setup.port, world_size, is_master=False)
-        extra = {} if setup.pg_timeout is None else {"timeout": datetime.timedelta(seconds=setup.pg_timeout)}
-        dist_env.init_distributed(dist_backend="gloo", store=store, **extra)
+        if setup.pg_timeout is None:
+            dist_env.init_distributed(dist_backend="gloo", store=store)
+        else:
+            dist_env.init_distributed(dist_backend="gloo", store=store,
+                                      timeout=datetime.timedelta(seconds=setup.pg_timeout))
         report = _Report(rank, "ok", fn(*args, **kwargs))
     except BaseException as exc:  # noqa: BLE001 - every outcome must reach the parent
         if type(exc).__name__ == "Skipped":  # pytest.skip, without importing pytest here
@@ -117,7 +121,9 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "zerospeed.testing.dist"])
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
     store = dist.TCPStore(_HOST, 0, world_size, is_master=True, wait_for_workers=False)
-    procs, conns, lifelines = [], {}, []
+    procs: list[BaseProcess] = []
+    conns: dict[mpc.Connection, int] = {}  # the parent's end of each rank's result pipe -> rank
+    lifelines: list[mpc.Connection] = []
     with tempfile.TemporaryDirectory(prefix="zerospeed-ranks-") as stacks:
         try:
             for rank in range(world_size):
@@ -125,7 +131,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                 life_read, life_write = ctx.Pipe(duplex=False)
                 setup = _RankSetup(rank, world_size, store.port, threads, str(Path(stacks) / f"rank{rank}.txt"),
                                    pg_timeout)
-                proc = ctx.Process(target=_rank_main, name=f"zerospeed-rank{rank}", daemon=True,
+                proc: BaseProcess = ctx.Process(target=_rank_main, name=f"zerospeed-rank{rank}", daemon=True,
                                    args=(fn, setup, child_end, life_read, args, kwargs))
                 proc.start()
                 child_end.close()
@@ -145,7 +151,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
             del store
 
 
-def _collect(procs: list, conns: dict, world_size: int, timeout: float, stacks: Path) -> list[Any]:
+def _collect(procs: list[BaseProcess], conns: dict[mpc.Connection, int], world_size: int, timeout: float,
+             stacks: Path) -> list[Any]:
     deadline = time.monotonic() + timeout
     reports: dict[int, _Report] = {}
     pending = dict(conns)
@@ -155,10 +162,13 @@ def _collect(procs: list, conns: dict, world_size: int, timeout: float, stacks: 
             missing = sorted(pending.values())
             raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout:g}s "
                                f"(finished: {sorted(reports)}){_stack_dumps(procs, missing, stacks)}")
-        for conn in mpc.wait(list(pending), timeout=min(left, 0.5)):
-            rank = pending.pop(conn)
+        for ready in mpc.wait(list(pending), timeout=min(left, 0.5)):
+            # wait() returns some of the objects it was given, and those are all pipe connections
+            if not isinstance(ready, mpc.Connection):
+                raise TypeError(f"multiprocessing.connection.wait returned {ready!r}, not one of the rank pipes")
+            rank = pending.pop(ready)
             try:
-                report = conn.recv()
+                report: _Report = ready.recv()
             except EOFError:
                 procs[rank].join(timeout=5)
                 raise RankFailed(f"rank {rank} died without reporting (exit code {procs[rank].exitcode})") from None

@@ -71,7 +71,7 @@ def build_units(model: nn.Module, *, bucket_elems: int, persistence_threshold: i
     tree_units = module_units(model, unit_classes, shape_of)
     numel = {name: math.prod(shape) for _, entries in tree_units for name, shape in entries}
     for unit_name, entries in tree_units:
-        names = []
+        names: list[str] = []
         for name, _shape in entries:
             (persistent if numel[name] < persistence_threshold else names).append(name)
         is_block = isinstance(modules.get(unit_name), classes) if classes else False
@@ -122,11 +122,11 @@ def module_users(model: nn.Module, units: list[UnitSpec],
         used = [p for p in module._parameters.values() if p is not None]
         used += (external or {}).get(id(module), [])
         for p in used:
-            i = unit_of_param.get(id(p))
-            if i is None or units[i].persistent:
+            index = unit_of_param.get(id(p))
+            if index is None or units[index].persistent:
                 continue
-            owner = units[i].module_path
+            owner = units[index].module_path
             inside_owner = owner is not None and (owner == "" or path == owner or path.startswith(owner + "."))
-            if not inside_owner and i not in users.setdefault(path, []):
-                users[path].append(i)
+            if not inside_owner and index not in users.setdefault(path, []):
+                users[path].append(index)
     return {path: ids for path, ids in users.items() if ids}

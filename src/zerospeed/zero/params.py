@@ -238,16 +238,16 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 def _wrap_inputs(args: tuple[Any, ...], kwargs: dict[str, Any],
                  callback: Callable[[], None]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Route the grad-requiring tensors among a module's direct arguments through ``_PostBackward``."""
-    slots = [("a", i) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
-    slots += [("k", k) for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
-    if not slots:
+    arg_slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+    kwarg_slots = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
+    if not arg_slots and not kwarg_slots:
         return args, kwargs
-    inputs = [args[key] if kind == "a" else kwargs[key] for kind, key in slots]
-    wrapped = _PostBackward.apply(callback, *inputs)
+    inputs = [args[i] for i in arg_slots] + [kwargs[k] for k in kwarg_slots]
+    # one output per input, in order: the positional ones first, then the keyword ones
+    wrapped = iter(_PostBackward.apply(callback, *inputs))
     new_args, new_kwargs = list(args), dict(kwargs)
-    for (kind, key), tensor in zip(slots, wrapped):
-        if kind == "a":
-            new_args[key] = tensor
-        else:
-            new_kwargs[key] = tensor
+    for i, tensor in zip(arg_slots, wrapped):  # zip stops at arg_slots' end without taking more
+        new_args[i] = tensor
+    for k, tensor in zip(kwarg_slots, wrapped):
+        new_kwargs[k] = tensor
     return tuple(new_args), new_kwargs

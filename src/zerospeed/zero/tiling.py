@@ -65,13 +65,13 @@ class TiledLinear(nn.Module):
 
     @property
     def has_bias(self) -> bool:
-        return getattr(self.linears[0][0], "bias", None) is not None
+        return getattr(self._rows()[0][0], "bias", None) is not None
 
     def forward(self, input_: torch.Tensor | Sequence[torch.Tensor]
                 ) -> torch.Tensor | list[torch.Tensor]:
         blocks = self._input_blocks(input_)
         outputs = []
-        for row in self.linears:
+        for row in self._rows():
             out = row[0](blocks[0])
             for tile, block in zip(list(row)[1:], blocks[1:]):
                 out = out + tile(block)
@@ -117,7 +117,7 @@ class TiledLinear(nn.Module):
             raise ValueError(f"other.bias: {'present' if bias is not None else 'missing'} but "
                              f"this TiledLinear has bias={self.has_bias}; build both with the "
                              "same bias setting")
-        sources = [p for p in (weight, bias) if p is not None]
+        sources: list[torch.Tensor] = [p for p in (weight, bias) if p is not None]
         with GatheredParameters(sources), GatheredParameters(list(self.parameters()),
                                                              modifier_rank=0):
             expected = (self.out_features, self.in_features)
@@ -133,16 +133,34 @@ class TiledLinear(nn.Module):
     def _copy_tiles(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         rows = torch.split(weight, self.out_sizes, dim=0)
         biases = torch.split(bias, self.out_sizes) if bias is not None else [None] * len(rows)
-        for row, row_weight, row_bias in zip(self.linears, rows, biases):
+        for row, row_weight, row_bias in zip(self._rows(), rows, biases):
             for tile, block in zip(row, torch.split(row_weight, self.in_sizes, dim=1)):
-                tile.weight.copy_(block)
+                _tensor_attr(tile, "weight").copy_(block)
             if row_bias is not None:
-                row[0].bias.copy_(row_bias)
+                _tensor_attr(row[0], "bias").copy_(row_bias)
+
+    def _rows(self) -> list[nn.ModuleList]:
+        """The tile grid, one ``nn.ModuleList`` of tiles per output block (``self.linears`` is
+        typed as holding plain modules, so each row is checked to be a list)."""
+        rows = []
+        for row in self.linears:
+            if not isinstance(row, nn.ModuleList):
+                raise TypeError(f"linears: a row is a {type(row).__name__}, expected an nn.ModuleList of tiles")
+            rows.append(row)
+        return rows
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.has_bias}, in_splits={self.in_splits}, "
                 f"out_splits={self.out_splits}")
+
+
+def _tensor_attr(module: nn.Module, name: str) -> torch.Tensor:
+    """``module.<name>`` checked to be a tensor (``nn.Module`` attributes are typed as tensor or module)."""
+    value = getattr(module, name)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{type(module).__name__}.{name}: {type(value).__name__} is not a tensor")
+    return value
 
 
 def _check_features(name: str, value: Any) -> None:
