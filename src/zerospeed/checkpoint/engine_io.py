@@ -5,9 +5,10 @@ counters, loss scaler and optimizer hyperparameters in the manifest (JSON), the 
 user's ``client_state`` in ``engine_state.pt``, and each rank's RNG states and data position in its
 own ``rank<N>.state.pt`` so a resumed run draws the same dropout masks and batches.
 
-State kept in an NVMe tier (``engine.state.checkpoint_groups()`` is not None) is saved and loaded
-one group of units at a time, each resident only while it is used, so a checkpoint needs no more
-memory than one unit's master and optimizer state; the files are the same as from memory.
+Every state is saved and loaded the same way: group by group as ``engine.state.checkpoint_groups()``
+says, each group resident only while it is used. State in memory is one group (its views are held at
+once, and copied for an asynchronous save); swapped state is one unit per group, so a checkpoint needs
+no more memory than one unit's master and optimizer state. The files are the same either way.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import json
 import logging
 import os
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
@@ -108,15 +109,15 @@ def _prepare(engine: CheckpointedEngine, sync: RankSync, save_dir: str, tmp_dir:
         frozen = ({p.name for p in engine.state.checkpoint_params() if not p.trainable}
                   if exclude_frozen_parameters else set())
         buffers = _persistent_buffers(engine.module) if comm.rank == 0 else {}
-        groups = engine.state.checkpoint_groups()
+        plan = engine.state.checkpoint_groups()
+        parts = _stream_parts(engine, plan.groups, frozen, buffers)
         payload: RankPayload | StreamedPayload
-        if groups is None:  # everything in memory: views of the live state (copied for an async save)
-            payload = _collect_part(engine, None, frozen)
-            payload.extend(RankPayload.of_buffers(buffers))
+        if plan.in_memory:  # every part's views stay valid together (copied for an async save)
+            payload = RankPayload.joined(parts())
             if asynchronous:
                 payload = payload.snapshot()
-        else:  # NVMe tier: one group of units resident at a time, written from there (see _stream_parts)
-            payload = StreamedPayload(_stream_parts(engine, groups, frozen, buffers))
+        else:  # one group resident at a time, written from there
+            payload = StreamedPayload(parts)
         rank_state = serialize({"rng": rng_state(), "loader": _loader_state(engine)})
         engine_state = manifest = None
         if comm.rank == 0:
@@ -127,27 +128,27 @@ def _prepare(engine: CheckpointedEngine, sync: RankSync, save_dir: str, tmp_dir:
             manifest = _manifest(engine, tag, buffers)
             manifest["excluded_frozen_parameters"] = bool(exclude_frozen_parameters)
         job = SaveJob(sync, save_dir, tmp_dir, tag, payload, rank_state, engine_state, manifest, save_latest, lease)
-        if asynchronous and groups is not None:
+        if asynchronous and not plan.in_memory:
             # swapped state cannot be snapshotted in memory, and only this thread may make it resident:
             # its file is written before returning; the small files and the commit go on in the background
             with sync.heartbeat():
                 job.write_tensors()
             log.info("save_checkpoint(async_save=True): rank %d wrote its NVMe-tier state (%d unit group(s), "
                      "%.3g MB) before returning; the rest of checkpoint %r is saved in the background",
-                     comm.rank, len(groups), payload.nbytes / 2**20, tag)
+                     comm.rank, len(plan.groups), payload.nbytes / 2**20, tag)
     except BaseException:
         lease.release()
         raise
     return job, asynchronous
 
 
-def _collect_part(engine: CheckpointedEngine, units: list[int] | None, frozen: set[str]) -> RankPayload:
+def _collect_part(engine: CheckpointedEngine, units: Sequence[int] | None, frozen: set[str]) -> RankPayload:
     """Fragments of ``units``' slots (default: all), frozen parameters excluded (views, not copies)."""
     slots = engine.state.checkpoint_slots(for_save=True, units=units)
     return collect([slot for slot in slots if slot.param not in frozen], engine.optimizer, with_optimizer=True)
 
 
-def _stream_parts(engine: CheckpointedEngine, groups: list[list[int]], frozen: set[str],
+def _stream_parts(engine: CheckpointedEngine, groups: Sequence[Sequence[int] | None], frozen: set[str],
                   buffers: dict[str, torch.Tensor]) -> Callable[[], Iterator[RankPayload]]:
     """The parts of a streamed save: each group's fragments while that group alone is resident (read
     only: nothing is written back), then the buffers."""
@@ -218,13 +219,9 @@ def load_checkpoint(engine: CheckpointedEngine, load_dir: str, tag: Any = None, 
                       f"given); nothing was loaded", stacklevel=3)
         return None, None
     with_optimizer = load_optimizer_states and not load_module_only
-    groups = engine.state.checkpoint_groups()
     with CheckpointSet(path) as ckpt:
         manifest = ckpt.manifest
-        if groups is None:
-            small = _load_all(engine, ckpt, load_module_strict, with_optimizer, allow_unsafe_pickle)
-        else:
-            small = _load_streamed(engine, ckpt, groups, load_module_strict, with_optimizer, allow_unsafe_pickle)
+        small = _load_groups(engine, ckpt, load_module_strict, with_optimizer, allow_unsafe_pickle)
     if load_module_only:
         return path, small.engine.get("client_state")
     _load_scaler(engine, manifest["loss_scaler"])
@@ -263,31 +260,12 @@ def _same_data_layout(engine: CheckpointedEngine, manifest: dict[str, Any]) -> b
 _LOAD_ERRORS = (CheckpointError, OSError, ValueError, KeyError, RuntimeError)
 
 
-def _load_all(engine: CheckpointedEngine, ckpt: CheckpointSet, strict: bool, with_optimizer: bool,
-              allow_unsafe_pickle: bool) -> SmallState:
-    """Everything in memory: read this rank's state, agree on the outcome, refresh (collective)."""
-    error: BaseException | None = None
-    small = SmallState({}, None)
-    with engine.state.resident_state(write_back=True):
-        try:  # each rank reads different ranges: agree on the outcome before the collective refresh
-            slots = engine.state.checkpoint_slots(for_save=False)
-            small = _load_common(engine, ckpt, [slot.param for slot in slots], strict, with_optimizer,
-                                 allow_unsafe_pickle)
-            load_masters(slots, ckpt, strict=strict, optional=_optional(engine, ckpt))
-            optimizer = _loads_optimizer(engine, ckpt, with_optimizer)
-            if optimizer is not None:
-                restore_optimizer_states(slots, optimizer, ckpt)
-        except _LOAD_ERRORS as exc:
-            error = exc
-        engine.comm.fail_together(error, "load_checkpoint", error_type=CheckpointError)
-        engine.state.after_checkpoint_load()
-    return small
-
-
-def _load_streamed(engine: CheckpointedEngine, ckpt: CheckpointSet, groups: list[list[int]], strict: bool,
-                   with_optimizer: bool, allow_unsafe_pickle: bool) -> SmallState:
-    """NVMe tier: one group of units resident at a time, loaded, refreshed and written back before
-    the next (the ranks agree on each group's outcome before its collective refresh)."""
+def _load_groups(engine: CheckpointedEngine, ckpt: CheckpointSet, strict: bool, with_optimizer: bool,
+                 allow_unsafe_pickle: bool) -> SmallState:
+    """Check everything first, then load one group of units at a time as the state's
+    ``checkpoint_groups()`` says (one group when it is all in memory), each resident while it is
+    loaded, refreshed and written back. Each rank reads different ranges, so the ranks agree on the
+    outcome before every collective refresh."""
     comm, state = engine.comm, engine.state
     error: BaseException | None = None
     small = SmallState({}, None)
@@ -299,7 +277,7 @@ def _load_streamed(engine: CheckpointedEngine, ckpt: CheckpointSet, groups: list
     comm.fail_together(error, "load_checkpoint", error_type=CheckpointError)
     optional, optimizer = _optional(engine, ckpt), _loads_optimizer(engine, ckpt, with_optimizer)
     keys: list[torch.Tensor] = []
-    for group in groups:
+    for group in state.checkpoint_groups().groups:
         with state.resident_state(group, write_back=True):
             try:
                 slots = state.checkpoint_slots(for_save=False, units=group)
@@ -312,7 +290,7 @@ def _load_streamed(engine: CheckpointedEngine, ckpt: CheckpointSet, groups: list
             comm.fail_together(error, "load_checkpoint", error_type=CheckpointError)
             state.after_checkpoint_load(units=group)  # while the group's masters are resident
     if optimizer is not None:
-        keep_states_of(optimizer, keys)
+        keep_states_of(optimizer, keys)  # what no group holds any more (e.g. another stage's layout)
     return small
 
 

@@ -54,6 +54,14 @@ class RankPayload:
             out.add(BUFFER, name, 0, buf.numel(), buf.detach().reshape(-1))
         return out
 
+    @classmethod
+    def joined(cls, parts: Iterable["RankPayload"]) -> "RankPayload":
+        """One payload of every part, in order (parts whose views all stay valid together)."""
+        out = cls()
+        for part in parts:
+            out.extend(part)
+        return out
+
     def extend(self, other: "RankPayload") -> None:
         """Append ``other`` (fragments of other parameters: a later group of units, the buffers)."""
         self.tensors += other.tensors

@@ -16,6 +16,7 @@ to the state that holds its masters, gradients and optimizer states, so the Deep
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ContextManager, Iterator, Protocol, Sequence
 
 import torch
@@ -25,6 +26,21 @@ from zerospeed.zero.step_grads import StepGrads
 
 if TYPE_CHECKING:
     from zerospeed.zero.flat_param import FlatParamUnit
+
+
+@dataclass(frozen=True)
+class CheckpointGroups:
+    """How a checkpoint visits a state: ``groups`` of units made resident one at a time (``None``: every
+    unit at once), and whether all of it is ``in_memory`` (then a save may hold every group's views at
+    once and an asynchronous save may copy them and write later; swapped state is written group by
+    group from the training thread)."""
+
+    groups: tuple[tuple[int, ...] | None, ...]
+    in_memory: bool
+
+    @classmethod
+    def everything_in_memory(cls) -> CheckpointGroups:
+        return cls((None,), True)
 
 
 class ModelState(Protocol):
@@ -73,7 +89,7 @@ class ModelState(Protocol):
         """Wait for background optimizer work before masters or states are read or written from outside."""
 
     # memory and offload
-    def resident_state(self, units: list[int] | None = None, write_back: bool = False) -> ContextManager[None]:
+    def resident_state(self, units: Sequence[int] | None = None, write_back: bool = False) -> ContextManager[None]:
         """Masters and optimizer states of ``units`` (default: all) in memory inside the block."""
         ...
 
@@ -98,8 +114,8 @@ class ModelState(Protocol):
         """Every parameter's name, full shape, dtype and trainability, in the module's order."""
         ...
 
-    def checkpoint_groups(self) -> list[list[int]] | None:
-        """Units to stream one group at a time (state not all in memory), or None: all at once."""
+    def checkpoint_groups(self) -> CheckpointGroups:
+        """How a checkpoint visits this state (see :class:`CheckpointGroups`)."""
         ...
 
     def checkpoint_slots(self, for_save: bool, units: Sequence[int] | None = None) -> list[Slot]:
@@ -149,4 +165,4 @@ class ParamOwner(ABC):
         """Overwrite the master and the model's copy with ``value`` (the same on every rank)."""
 
 
-__all__ = ["ModelState", "ParamOwner"]
+__all__ = ["CheckpointGroups", "ModelState", "ParamOwner"]

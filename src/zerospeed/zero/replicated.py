@@ -15,7 +15,7 @@ from torch import nn
 
 from zerospeed.distributed.comm import Comm
 from zerospeed.sharding.slots import ParamInfo, Slot, even_split
-from zerospeed.zero.contract import ParamOwner
+from zerospeed.zero.contract import CheckpointGroups, ParamOwner
 from zerospeed.zero.grads import GradBuckets, ReductionPolicy
 from zerospeed.zero.memory import storage_bytes
 from zerospeed.zero.owner import clear_owner, set_owner
@@ -109,7 +109,7 @@ class ReplicatedState:
     def release_all(self) -> None:
         """Parameters are always whole at stage 0."""
 
-    def resident_state(self, units: list[int] | None = None, write_back: bool = False) -> ContextManager[None]:
+    def resident_state(self, units: Sequence[int] | None = None, write_back: bool = False) -> ContextManager[None]:
         """Everything is always in memory here."""
         return contextlib.nullcontext()
 
@@ -131,9 +131,9 @@ class ReplicatedState:
     def checkpoint_params(self) -> list[ParamInfo]:
         return [ParamInfo(name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in self.module.named_parameters()]
 
-    def checkpoint_groups(self) -> list[list[int]] | None:
-        """Everything is in memory: no groups to stream (see :meth:`ShardedState.checkpoint_groups`)."""
-        return None
+    def checkpoint_groups(self) -> CheckpointGroups:
+        """Everything is in memory: one visit of everything."""
+        return CheckpointGroups.everything_in_memory()
 
     def checkpoint_slots(self, for_save: bool, units: Sequence[int] | None = None) -> list[Slot]:
         """Every parameter whole for loading; for saving, this rank's even share of each, so the ranks

@@ -22,7 +22,7 @@ from zerospeed.distributed.comm import Comm
 from zerospeed.offload import MemoryStorage, StateStore, SwappedSlabs, TierStorage, itemsize, offloads
 from zerospeed.sharding.plan import ShardPlan
 from zerospeed.sharding.slots import ParamInfo, Slot
-from zerospeed.zero.contract import ParamOwner
+from zerospeed.zero.contract import CheckpointGroups, ParamOwner
 from zerospeed.zero.flat_param import FlatParamUnit, shape_of
 from zerospeed.zero.owner import clear_owner, set_owner
 from zerospeed.zero.grads import ReductionPolicy
@@ -231,7 +231,7 @@ class ShardedState:
         """Wait for early optimizer jobs before masters or states are read or written from outside."""
         self.eager.wait()
 
-    def resident_state(self, units: list[int] | None = None, write_back: bool = False) -> ContextManager[None]:
+    def resident_state(self, units: Sequence[int] | None = None, write_back: bool = False) -> ContextManager[None]:
         """Masters and optimizer states of ``units`` (default: all) in memory inside the block (the
         NVMe tier reads them, and writes them back after when ``write_back``; others: nothing to do)."""
         swapped = self.zero_optimizer.swapped
@@ -347,13 +347,12 @@ class ShardedState:
         return [ParamInfo(slot.name, slot.shape, unit.dtype, p.requires_grad)
                 for unit in self.units for slot, p in zip(unit.plan.params, unit.params)]
 
-    def checkpoint_groups(self) -> list[list[int]] | None:
-        """Unit indices to save or load one group at a time, each group made resident with
-        :meth:`resident_state` while its slots are used (NVMe: one unit per group, so a checkpoint never
-        needs more than one unit's state in memory); None when everything is in memory anyway."""
+    def checkpoint_groups(self) -> CheckpointGroups:
+        """Swapped optimizer state: one unit per group, each made resident with :meth:`resident_state`
+        while its slots are used, so a checkpoint never needs more than one unit's state in memory."""
         if self.zero_optimizer.swapped is None:
-            return None
-        return [[u] for u in range(len(self.units))]
+            return CheckpointGroups.everything_in_memory()
+        return CheckpointGroups(tuple((u,) for u in range(len(self.units))), in_memory=False)
 
     def checkpoint_slots(self, for_save: bool, units: Sequence[int] | None = None) -> list[Slot]:
         """The pieces of this rank's shards (the same for saving and loading), of ``units`` (default:
