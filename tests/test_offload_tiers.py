@@ -17,7 +17,7 @@ from zerospeed.config import load_config
 from zerospeed.offload import (IoStats, MemoryStorage, MemoryTier, NvmeRun, NvmeTier, StateStore, Tier,
                                remote_device_tier)
 from zerospeed.offload import aio as offload_aio
-from zerospeed.offload.lifecycle import IllegalTransition
+from zerospeed.lifecycle import IllegalTransition
 from zerospeed.offload.nvme import LeaseState, RunDirectory, SlabState, SwappedSlabs
 from zerospeed.testing import run_distributed
 

@@ -32,10 +32,6 @@ def resolved(value: T | Auto, path: str) -> T:
     return value
 
 
-def _device(value: OffloadDevice | Auto, path: str) -> OffloadDevice:
-    return resolved(value, path)
-
-
 @dataclass(frozen=True)
 class _OffloadTarget:
     """What both offload sections share: the device, its NVMe directory, pinning."""
@@ -59,7 +55,7 @@ class OptimizerOffload(_OffloadTarget):
 
     @classmethod
     def from_config(cls, section: OffloadOptimizerConfig) -> OptimizerOffload:
-        return cls(_device(section.device, "zero_optimization.offload_optimizer.device"), section.nvme_path,
+        return cls(resolved(section.device, "zero_optimization.offload_optimizer.device"), section.nvme_path,
                    section.pin_memory, buffer_count=section.buffer_count, ratio=section.ratio,
                    pipeline_read=section.pipeline_read)
 
@@ -73,7 +69,7 @@ class ParamOffload(_OffloadTarget):
 
     @classmethod
     def from_config(cls, section: OffloadParamConfig) -> ParamOffload:
-        return cls(_device(section.device, "zero_optimization.offload_param.device"), section.nvme_path,
+        return cls(resolved(section.device, "zero_optimization.offload_param.device"), section.nvme_path,
                    section.pin_memory, buffer_count=section.buffer_count, max_in_cpu=section.max_in_cpu)
 
 
@@ -100,7 +96,7 @@ class ZeroPolicy:
     @property
     def offloads_optimizer(self) -> bool:
         """Optimizer state offloaded to CPU memory or NVMe."""
-        return self.offload_optimizer.device in (OffloadDevice.CPU, OffloadDevice.NVME)
+        return self.offload_optimizer.enabled
 
     @classmethod
     def from_config(cls, zero: ZeroConfig) -> ZeroPolicy:

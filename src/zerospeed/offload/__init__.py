@@ -3,7 +3,7 @@
 from zerospeed.offload.nvme import IOWait, RunDirectory, SlabLease, SwappedSlabs, itemsize
 from zerospeed.offload.run import IoStats, MemoryStorage, NvmeRun, TierStorage
 from zerospeed.offload.store import StateStore, Tier
-from zerospeed.offload.tier import MemoryTier, NvmeTier, StateTier, offloads, remote_device_tier
+from zerospeed.offload.tier import MemoryTier, NvmeTier, StateTier, remote_device_tier
 
 __all__ = ["IOWait", "IoStats", "MemoryStorage", "MemoryTier", "NvmeRun", "NvmeTier", "RunDirectory", "SlabLease", "StateStore", "StateTier",
-           "SwappedSlabs", "Tier", "TierStorage", "itemsize", "offloads", "remote_device_tier"]
+           "SwappedSlabs", "Tier", "TierStorage", "itemsize", "remote_device_tier"]

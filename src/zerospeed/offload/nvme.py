@@ -31,7 +31,7 @@ from typing import Callable, Generator, Iterable, Iterator, Protocol, Sequence
 import torch
 
 from zerospeed.offload.aio_file import io_memory
-from zerospeed.offload.lifecycle import Transitions
+from zerospeed.lifecycle import Transitions
 
 GIB = 1 << 30
 
@@ -154,7 +154,7 @@ class SlabState(enum.Enum):
     UNSAVED = "unsaved"  # in memory, its write-back failed: the memory is the only good copy
 
 
-_SLAB = Transitions("a slab", {
+_SLAB = Transitions({
     SlabState.OUT: frozenset({SlabState.READING}),
     SlabState.READING: frozenset({SlabState.RESIDENT, SlabState.OUT}),  # landed / failed or unused
     SlabState.RESIDENT: frozenset({SlabState.WRITING, SlabState.OUT}),  # written back / unchanged, dropped
@@ -254,7 +254,7 @@ class SwappedSlabs:
         return SlabLease(self, index)
 
     def _move(self, i: int, new: SlabState) -> None:
-        self.states[i] = _SLAB.check(f"{self.name} {i}", self.states[i], new)
+        self.states[i] = _SLAB.check(f"{self.name} {i}: a slab", self.states[i], new)
 
     # -- single moves -----------------------------------------------------------------------------
     def _allocate(self, i: int) -> None:
@@ -322,7 +322,7 @@ class SwappedSlabs:
         return request
 
     def _start_write(self, i: int) -> IOWait:
-        _SLAB.check(f"{self.name} {i}", self.states[i], SlabState.WRITING)  # before any byte reaches the file
+        _SLAB.check(f"{self.name} {i}: a slab", self.states[i], SlabState.WRITING)  # before any byte reaches the file
         head = self.slabs[i][: self.kept[i] // itemsize(self.dtypes[i])]
         request = self.aio.submit_pwrite(head, str(self.paths[i]), 0)
         self.states[i] = SlabState.WRITING
@@ -505,7 +505,7 @@ class LeaseState(enum.Enum):
     CHANGED = "changed"  # changed by a holder: written back at the last release (stays, unheld, if that failed)
 
 
-_LEASE = Transitions("a slab lease", {
+_LEASE = Transitions({
     LeaseState.FREE: frozenset({LeaseState.HELD}),
     LeaseState.HELD: frozenset({LeaseState.CHANGED, LeaseState.FREE}),
     LeaseState.CHANGED: frozenset({LeaseState.FREE}),
@@ -530,7 +530,7 @@ class SlabLease:
 
     def _move(self, new: LeaseState) -> None:
         if new is not self.state:
-            self.state = _LEASE.check(f"{self.slabs.name} {self.index}", self.state, new)
+            self.state = _LEASE.check(f"{self.slabs.name} {self.index}: a slab lease", self.state, new)
 
     def acquire(self, wait: bool = True) -> None:
         """Hold the slab, starting its read unless it is resident or being read (also after an earlier

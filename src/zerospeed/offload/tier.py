@@ -102,11 +102,6 @@ class NvmeTier(StateTier):
         return NvmeRun.open(self, comm, purpose=purpose, what=what)
 
 
-def offloads(section: OffloadSection) -> bool:
-    """Whether the section moves its state off the compute device (to CPU memory or NVMe)."""
-    return section.device in (OffloadDevice.CPU, OffloadDevice.NVME)
-
-
 def host_tier(section: OffloadSection, compute: MemoryTier, *, pin: bool,
               aio: AioConfig | None) -> StateTier:
     """The tier an ``offload_optimizer`` / ``offload_param`` section asks for: CPU memory for

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from zerospeed.distributed.comm import Comm, Handle
+from zerospeed.lifecycle import Transitions
 from zerospeed.offload import SlabLease, StateTier
 from zerospeed.sharding.flat import FlatUnit
 from zerospeed.sharding.plan import UnitPlan
@@ -50,12 +51,12 @@ class UnitPhase(enum.Enum):
     GATHERED = "gathered"  # ``full`` holds every rank's values
 
 
-_MOVES = {
-    UnitPhase.RELEASED: {UnitPhase.READING, UnitPhase.GATHERING},
-    UnitPhase.READING: {UnitPhase.GATHERING, UnitPhase.RELEASED},  # RELEASED: the read failed
-    UnitPhase.GATHERING: {UnitPhase.GATHERED},
-    UnitPhase.GATHERED: {UnitPhase.RELEASED},
-}
+_PHASES = Transitions({
+    UnitPhase.RELEASED: frozenset({UnitPhase.READING, UnitPhase.GATHERING}),
+    UnitPhase.READING: frozenset({UnitPhase.GATHERING, UnitPhase.RELEASED}),  # RELEASED: the read failed
+    UnitPhase.GATHERING: frozenset({UnitPhase.GATHERED}),
+    UnitPhase.GATHERED: frozenset({UnitPhase.RELEASED}),
+}, label=lambda phase: phase.value)  # IllegalTransition: an AssertionError
 
 
 class FlatParamUnit:
@@ -123,10 +124,7 @@ class FlatParamUnit:
 
     # -- state ------------------------------------------------------------------------------
     def _move(self, to: UnitPhase) -> None:
-        if to not in _MOVES[self.phase]:
-            raise AssertionError(f"internal error: unit {self.plan.name!r} cannot go from {self.phase.value} "
-                                 f"to {to.value}")
-        self.phase = to
+        self.phase = _PHASES.check(f"internal error: unit {self.plan.name!r}", self.phase, to)
 
     @property
     def gathered(self) -> bool:

@@ -17,8 +17,8 @@ from typing import Sequence
 import torch
 
 from zerospeed.distributed.comm import Comm
-from zerospeed.zero.reducer import (AllReduce, Bucket, GradReducer, GradSlot, ReductionPolicy,
-                                    plan_buckets)
+from zerospeed.zero.reducer import (AllReduce, Bucket, GradReducer, GradSlot, ReductionPolicy, plan_buckets,
+                                    second_backward_error)
 
 __all__ = ["GradBuckets", "ReductionPolicy", "plan_buckets"]
 
@@ -85,7 +85,8 @@ class GradBuckets:
         launches the same collectives in the same order); parameters that got no gradient go last.
         Like DDP's bucket rebuild: buckets fill, and go out, as early as backward allows."""
         seen = self.reducer.agreed_arrivals()
-        order = seen + [i for i in range(len(self._trainable)) if i not in set(seen)]
+        arrived = set(seen)
+        order = seen + [i for i in range(len(self._trainable)) if i not in arrived]
         buckets = self._layout(order)
         self.reducer.set_buckets(buckets, range(len(buckets)))
 
@@ -126,6 +127,4 @@ def _keep_whole(bucket: Bucket, out: torch.Tensor) -> None:
 
 
 def _late_gradient(bucket: Bucket) -> Exception:
-    return RuntimeError("a second engine.backward() on the last micro-batch of an accumulation window: "
-                        "its gradients were already sent for averaging; call backward once per "
-                        "micro-batch (add the losses first)")
+    return second_backward_error()

@@ -28,6 +28,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from zerospeed.distributed.comm import Comm, Handle
+from zerospeed.lifecycle import Transitions
 
 
 def plan_buckets(numels: Sequence[int], bucket_elems: int) -> list[list[int]]:
@@ -136,11 +137,11 @@ class BucketState(enum.Enum):
     REDUCED = "reduced"  # the averaged result has been handed to ``land``
 
 
-_TRANSITIONS: dict[BucketState, frozenset[BucketState]] = {
+_BUCKET = Transitions({
     BucketState.ACCUMULATING: frozenset({BucketState.LAUNCHED}),
     BucketState.LAUNCHED: frozenset({BucketState.REDUCED}),
     BucketState.REDUCED: frozenset({BucketState.ACCUMULATING}),
-}
+}, error=ReducerStateError, label=lambda state: state.value)
 
 
 @dataclass(frozen=True)
@@ -175,10 +176,7 @@ class Bucket:
         self.wire: torch.Tensor | None = None  # the accumulator in the reduce dtype, while in flight
 
     def advance(self, new: BucketState) -> None:
-        if new not in _TRANSITIONS[self.state]:
-            raise ReducerStateError(f"internal error: gradient bucket {self.index} cannot go from "
-                                    f"{self.state.value} to {new.value}")
-        self.state = new
+        self.state = _BUCKET.check(f"internal error: gradient bucket {self.index}", self.state, new)
 
     def view(self, slot: int) -> torch.Tensor:
         assert self.acc is not None
@@ -206,6 +204,13 @@ class BufferPool:
 
 
 Land = Callable[[Bucket, torch.Tensor], None]
+
+
+def second_backward_error() -> RuntimeError:
+    """A backward after the window's gradients went out for averaging (they would be lost)."""
+    return RuntimeError("a second engine.backward() on the last micro-batch of an accumulation window: its "
+                        "gradients were already sent for averaging; call backward once per micro-batch (add "
+                        "the losses first)")
 
 
 # -- the reducer -----------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from zerospeed.distributed.comm import Comm
+from zerospeed.offload.run import IoStats
 from zerospeed.sharding.slots import ParamInfo, Slot, even_split
 from zerospeed.zero.contract import CheckpointGroups, ParamOwner
 from zerospeed.zero.grads import GradBuckets, ReductionPolicy
@@ -101,7 +102,7 @@ class ReplicatedState:
     # -- memory -----------------------------------------------------------------------------
     def offload_io(self) -> dict[str, float]:
         """Nothing is offloaded at stage 0."""
-        return {"bytes_read": 0, "bytes_written": 0, "read_wait_s": 0.0, "write_wait_s": 0.0}
+        return IoStats().as_dict()
 
     def describe_offload(self) -> str:
         return "all state in memory on every rank (ZeRO stage 0)"

@@ -19,7 +19,7 @@ from torch import nn
 
 from zerospeed.config.policies import ZeroPolicy
 from zerospeed.distributed.comm import Comm
-from zerospeed.offload import MemoryStorage, StateStore, SwappedSlabs, TierStorage, itemsize, offloads
+from zerospeed.offload import MemoryStorage, StateStore, SwappedSlabs, TierStorage, itemsize
 from zerospeed.sharding.plan import ShardPlan
 from zerospeed.sharding.slots import ParamInfo, Slot
 from zerospeed.zero.contract import CheckpointGroups, ParamOwner
@@ -416,10 +416,6 @@ class ShardedState:
                 for i, p in enumerate(unit.params):
                     p.data = unit.param_slice(unit.full, i).clone()
                     clear_owner(p)
-
-
-def offloads_optimizer(zero_cfg: ZeroPolicy) -> bool:
-    return zero_cfg.offloads_optimizer
 
 
 class UnitParamRef(ParamOwner):

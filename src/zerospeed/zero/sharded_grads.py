@@ -28,10 +28,11 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from zerospeed.distributed.comm import Comm
+from zerospeed.lifecycle import Transitions
 from zerospeed.offload.tier import StateTier
 from zerospeed.zero.flat_param import FlatParamUnit
 from zerospeed.zero.reducer import (Bucket, BufferPool, GradReducer, GradSlot, ReduceScatter, ReducerStateError,
-                                    ReductionPolicy)
+                                    ReductionPolicy, second_backward_error)
 from zerospeed.zero.step_grads import StepGrads
 
 _BufferPool = BufferPool  # the name tests and older code import from here
@@ -77,6 +78,7 @@ _SHARD_TRANSITIONS: dict[ShardWindow, frozenset[ShardWindow]] = {
     ShardWindow.SUMMED: frozenset({ShardWindow.SUMMED, ShardWindow.PREPARED}),
     ShardWindow.PREPARED: frozenset(),
 }
+_SHARD = Transitions(_SHARD_TRANSITIONS, error=ReducerStateError, label=lambda state: state.value)
 
 
 class _UnitGrads:
@@ -104,10 +106,7 @@ class _UnitGrads:
         self.window = ShardWindow.EMPTY
 
     def advance(self, new: ShardWindow) -> None:
-        if new not in _SHARD_TRANSITIONS[self.window]:
-            raise ReducerStateError(f"internal error: the gradient shard of unit {self.plan.name!r} cannot go "
-                                    f"from {self.window.value} to {new.value}")
-        self.window = new
+        self.window = _SHARD.check(f"internal error: the gradient shard of unit {self.plan.name!r}", self.window, new)
 
     def new_window(self) -> None:
         self.window = ShardWindow.EMPTY
@@ -190,9 +189,7 @@ class ShardedGrads:
         """Called before each backward; ``reduce`` says whether this micro-batch's gradients go out
         (stage 1: only at the window's end; stages 2-3: always)."""
         if self._window_reduced and self.sharding.keep_full:
-            raise RuntimeError("a second engine.backward() on the last micro-batch of an accumulation window: "
-                               "its gradients were already sent for averaging; call backward once per "
-                               "micro-batch (add the losses first)")
+            raise second_backward_error()
         self.final = reduce
         self.reducer.begin_pass(reduce or not self.sharding.keep_full)
 
