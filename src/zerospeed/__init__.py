@@ -20,12 +20,21 @@ _LAZY = {
     "ParallelDims": "zerospeed.distributed.mesh",
     "Comm": "zerospeed.distributed.comm",
     "get_accelerator": "zerospeed.accelerator",
+    "install_as_deepspeed": "zerospeed.deepspeed_alias",
+    # DeepSpeed's top-level names (``deepspeed.X`` once installed as deepspeed)
+    "DeepSpeedEngine": "zerospeed.runtime.engine",
+    "DeepSpeedOptimizer": "zerospeed.runtime.base_optimizer",
+    "log_dist": "zerospeed.utils.logging",
+    "logger": "zerospeed.utils.logging",
+    "init_inference": "zerospeed.not_built",
+    "tp_model_init": "zerospeed.not_built",
+    "uninstall_as_deepspeed": "zerospeed.deepspeed_alias",
 }
 
 # Subpackages reachable as attributes after a bare ``import zerospeed`` (``zerospeed.zero.Init``).
-_SUBMODULES = ("zero", "utils", "checkpoint", "ops", "checkpointing", "comm")
+_SUBMODULES = ("zero", "utils", "checkpoint", "ops", "checkpointing", "comm", "runtime", "moe", "accelerator")
 
-__all__ = ["__version__", *_LAZY, "zero", "utils", "checkpointing", "comm"]
+__all__ = ["__version__", *_LAZY, *_SUBMODULES]
 
 
 def __getattr__(name: str) -> Any:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from zerospeed.checkpoint.layout import BUFFER, MASTER, CheckpointError, fsync_dir, resolve
+from zerospeed.checkpoint.layout import BUFFER, MASTER, CheckpointError, CheckpointMismatchError, fsync_dir, resolve
 from zerospeed.checkpoint.reader import CheckpointSet
 from zerospeed.checkpoint.safetensors_io import StreamingWriter
 
@@ -87,7 +87,7 @@ def load_state_dict_from_checkpoint(model: nn.Module, checkpoint_dir: str, tag: 
         missing = sorted(set(targets) - set(stored))
         unexpected = sorted(set(stored) - set(targets))
         if strict and (missing or unexpected):
-            raise CheckpointError(f"{ckpt.path} does not match the model: missing {missing[:8] or 'none'}, "
+            raise CheckpointMismatchError(f"{ckpt.path} does not match the model: missing {missing[:8] or 'none'}, "
                                   f"unexpected {unexpected[:8] or 'none'}; pass strict=False to load what matches")
         with torch.no_grad():
             for key, tensor in targets.items():

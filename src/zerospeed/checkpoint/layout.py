@@ -33,6 +33,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read; the message names the file or key and the fix."""
 
 
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint's tensors do not match the model's (missing or unexpected keys)."""
+
+
 def rank_file(rank: int) -> str:
     return f"rank{rank:05d}.safetensors"
 

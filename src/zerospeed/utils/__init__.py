@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from zerospeed._lazy_submodules import submodule_getattr
 from zerospeed.data.loader import RepeatingLoader
+from zerospeed.utils.logging import log_dist, logger
 from zerospeed.zero.owner import engine_owner as _owner
 
 
@@ -44,5 +46,8 @@ def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: st
     return owner.full_optimizer_state(optim_state_key) if owner is not None else None
 
 
-__all__ = ["RepeatingLoader", "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
+# ``deepspeed.utils.zero_to_fp32`` and the like, reached as attributes
+__getattr__ = submodule_getattr(__name__)
+
+__all__ = ["RepeatingLoader", "log_dist", "logger", "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
            "safe_set_full_fp32_param"]

@@ -1,0 +1,56 @@
+"""``deepspeed.runtime.utils``: the helpers scripts call (memory report, seeding, moving batches)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from typing import Any
+
+import torch
+
+log = logging.getLogger("zerospeed")
+
+
+def see_memory_usage(message: str, force: bool = False) -> None:
+    """Log this process's device and host memory (only with ``force``, as in DeepSpeed; rank 0 only)."""
+    if not force:
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
+    gib = float(1 << 30)
+    parts = [message]
+    if torch.cuda.is_available():
+        parts.append(f"device allocated {torch.cuda.memory_allocated() / gib:.2f} GiB, max "
+                     f"{torch.cuda.max_memory_allocated() / gib:.2f} GiB, reserved {torch.cuda.memory_reserved() / gib:.2f} GiB")
+    page = os.sysconf("SC_PAGE_SIZE")
+    total, available = os.sysconf("SC_PHYS_PAGES") * page, os.sysconf("SC_AVPHYS_PAGES") * page
+    used = total - available
+    parts.append(f"host used {used / gib:.2f} GiB of {total / gib:.2f} GiB")
+    log.info(" | ".join(parts))
+
+
+def set_random_seed(seed: int) -> None:
+    """Seed Python's, numpy's and torch's generators (every device's too)."""
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # seeds every CUDA device as well
+
+
+def move_to_device(item: Any, device: torch.device | str, criterion_func: Any = None) -> Any:
+    """``item`` with every tensor in it (through lists, tuples and dicts) moved to ``device``; with
+    ``criterion_func``, only the tensors it accepts."""
+    if isinstance(item, torch.Tensor):
+        return item.to(device) if criterion_func is None or criterion_func(item) else item
+    if isinstance(item, (list, tuple)):
+        return type(item)(move_to_device(v, device, criterion_func) for v in item)
+    if isinstance(item, dict):
+        return {k: move_to_device(v, device, criterion_func) for k, v in item.items()}
+    return item
+
+
+__all__ = ["move_to_device", "see_memory_usage", "set_random_seed"]
