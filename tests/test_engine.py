@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import logging
 
 import pytest
 import torch
@@ -380,3 +382,24 @@ def _tied_frozen() -> None:
 @pytest.mark.smoke
 def test_tied_and_frozen_parameters_match_the_reference() -> None:
     run_distributed(_tied_frozen, 2)
+
+
+def test_config_source_one_of_config_args_or_deepscale() -> None:
+    """As ``deepspeed.initialize``: one config, from ``config=``/``config_params=`` or the arguments
+    (``--deepscale_config`` is the deprecated spelling); two are refused instead of one winning."""
+    from zerospeed.entry import _config_source
+
+    parser = zerospeed.add_config_arguments(argparse.ArgumentParser())
+    plain = parser.parse_args(["--deepspeed"])
+    assert _config_source(plain, {"a": 1}, None) == {"a": 1}
+    assert _config_source(plain, None, {"b": 2}) == {"b": 2}
+    assert _config_source(parser.parse_args(["--deepspeed_config", "x.json"]), None, None) == "x.json"
+    with log_messages(logging.WARNING) as warnings:
+        assert _config_source(parser.parse_args(["--deepscale", "--deepscale_config", "old.json"]), None, None) == "old.json"
+    assert warnings == ["--deepscale_config is deprecated; use --deepspeed_config"]
+    with pytest.raises(ValueError, match="two configs: config= was passed to initialize and args.deepspeed_config is 'x.json'"):
+        _config_source(parser.parse_args(["--deepspeed_config", "x.json"]), {"a": 1}, None)
+    with pytest.raises(ValueError, match="both --deepscale_config and --deepspeed_config"):
+        _config_source(parser.parse_args(["--deepspeed_config", "x", "--deepscale_config", "y"]), None, None)
+    with pytest.raises(ValueError, match="no config: pass config="):
+        _config_source(plain, None, None)

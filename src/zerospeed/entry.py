@@ -53,6 +53,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     group.add_argument("--deepspeed", default=False, action="store_true",
                        help="enable zerospeed (accepted for DeepSpeed compatibility)")
     group.add_argument("--deepspeed_config", default=None, type=str, help="zerospeed / DeepSpeed JSON config")
+    group.add_argument("--deepscale", default=False, action="store_true", help="deprecated: use --deepspeed")
+    group.add_argument("--deepscale_config", default=None, type=str, help="deprecated: use --deepspeed_config")
     return parser
 
 
@@ -69,11 +71,7 @@ def initialize(args: Any = None, model: nn.Module | None = None,
         raise ValueError("zerospeed.initialize needs model=... (an nn.Module)")
     if mpu is not None:
         raise NotImplementedError("mpu= (model parallelism from Megatron) lands with tensor/pipeline parallelism")
-    source = config if config is not None else config_params
-    if source is None:
-        source = getattr(args, "deepspeed_config", None)
-    if source is None:
-        raise ValueError("no config: pass config= (a dict or a JSON path) or args with --deepspeed_config")
+    source = _config_source(args, config, config_params)
     info = init_distributed(dist_init_required=dist_init_required)
     world = group_size()
     cfg = _resolved_config(source, world)
@@ -119,6 +117,26 @@ def initialize(args: Any = None, model: nn.Module | None = None,
         if offload or state.stage == 3 and zero.offload_param.enabled:
             log.info("offload: %s", state.describe_offload())
     return engine, opt, loader, sched
+
+
+def _config_source(args: Any, config: Any, config_params: Any) -> Any:
+    """The one config given: ``config=`` (or its old name ``config_params=``), or ``args.deepspeed_config``
+    (or the deprecated ``--deepscale_config``). Two different ones are refused, as DeepSpeed does."""
+    given = config if config is not None else config_params
+    from_args = getattr(args, "deepspeed_config", None)
+    deepscale = getattr(args, "deepscale_config", None)
+    if deepscale is not None:
+        if from_args is not None:
+            raise ValueError("both --deepscale_config and --deepspeed_config were given; keep --deepspeed_config")
+        log.warning("--deepscale_config is deprecated; use --deepspeed_config")
+        from_args = deepscale
+    if from_args is not None and given is not None:
+        raise ValueError(f"two configs: config= was passed to initialize and args.deepspeed_config is {from_args!r}; "
+                         f"drop one (DeepSpeed refuses this too)")
+    source = given if given is not None else from_args
+    if source is None:
+        raise ValueError("no config: pass config= (a dict or a JSON path) or args with --deepspeed_config")
+    return source
 
 
 def _parallel_dims(cfg: Config, world_size: int) -> ParallelDims:
