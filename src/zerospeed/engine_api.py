@@ -121,7 +121,7 @@ class DeepSpeedEngineAPI(DeepSpeedConfigGetters):
     def communication_data_type(self) -> torch.dtype:
         """The dtype gradients are reduced in: the config's ``communication_data_type`` when set, else
         the gradient accumulation dtype (fp32 unless ``data_types.grad_accum_dtype`` says otherwise;
-        DeepSpeed would name the model dtype, although its ZeRO stages also reduce fp32 under bf16)."""
+        DeepSpeed names the model dtype there)."""
         return self.policy.reduce_dtype
 
     @communication_data_type.setter
@@ -136,9 +136,11 @@ class DeepSpeedEngineAPI(DeepSpeedConfigGetters):
         return False
 
     def get_data_parallel_rank(self) -> int:
+        """This rank's index in its data-parallel group."""
         return self.mesh.get_data_parallel_rank()
 
     def get_tensor_parallel_rank(self) -> int:
+        """This rank's index in its tensor-parallel group (0 without tensor parallelism)."""
         return self.mesh.get_tensor_model_parallel_rank()
 
     def get_model_parallel_rank(self) -> int:
@@ -146,6 +148,7 @@ class DeepSpeedEngineAPI(DeepSpeedConfigGetters):
         return self.mesh.get_tensor_model_parallel_rank()
 
     def get_sequence_parallel_group(self) -> ProcessGroup:
+        """The torch process group of this rank's sequence-parallel peers."""
         return self.mesh.get_sequence_parallel_group()
 
     # -- batch -----------------------------------------------------------------------------------
@@ -183,6 +186,7 @@ class DeepSpeedEngineAPI(DeepSpeedConfigGetters):
                                                      "gradient_accumulation_steps": gas})
 
     def gradient_clipping(self) -> float:
+        """The global gradient-norm clip ``engine.step()`` applies (config ``gradient_clipping``; 0: off)."""
         return self.settings.gradient_clipping
 
     def steps_per_print(self) -> int | None:
@@ -197,10 +201,12 @@ class DeepSpeedEngineAPI(DeepSpeedConfigGetters):
     # -- data ------------------------------------------------------------------------------------
     @staticmethod
     def is_map_style_dataset(obj: Any) -> bool:
+        """Whether ``obj`` has ``__getitem__`` and ``__len__`` (what :meth:`deepspeed_io` loads)."""
         return hasattr(obj, "__getitem__") and hasattr(obj, "__len__")
 
     @staticmethod
     def is_iterable_style_dataset(obj: Any) -> bool:
+        """Whether ``obj`` is a ``torch.utils.data.IterableDataset``."""
         return isinstance(obj, torch.utils.data.IterableDataset)
 
     def deepspeed_io(self, dataset: Any, batch_size: int | None = None, route: str = "train",

@@ -130,12 +130,15 @@ class DeepSpeedConfigGetters:
         return self.zero_optimization_stage() > 0
 
     def zero_optimization_partition_gradients(self) -> bool:
+        """True at ZeRO stages 2 and 3 (gradients are partitioned)."""
         return self.zero_optimization_stage() >= 2
 
     def zero_optimization_partition_weights(self) -> bool:
+        """True at ZeRO stage 3 (parameters are partitioned)."""
         return self.zero_optimization_stage() >= 3
 
     def is_first_weights_partition_group(self) -> bool:
+        """True at ZeRO stage 3 (as DeepSpeed: the weights are partitioned)."""
         return self.zero_optimization_partition_weights()
 
     def zero_offload_optimizer(self) -> OffloadOptimizerConfig | None:
@@ -348,15 +351,19 @@ class DeepSpeedConfigGetters:
         return [str(p) for p in passes]
 
     def compile_zero_optimization_stage(self) -> bool:
+        """Whether ``compile.passes`` names DeepCompile's ``z1``/``z3`` passes."""
         return "z1" in self._compile_passes() or "z3" in self._compile_passes()
 
     def compile_autosp(self) -> bool:
+        """False unless the config's ``compile.passes`` names ``autosp`` (DeepCompile is refused)."""
         return "autosp" in self._compile_passes()
 
     def compile_autotp(self) -> bool:
+        """False unless the config's ``compile.passes`` names ``autotp`` (DeepCompile is refused)."""
         return "autotp" in self._compile_passes()
 
     def uses_parallelization_pass_only(self) -> bool:
+        """``compile_autosp() or compile_autotp()``, as DeepSpeed."""
         return self.compile_autosp() or self.compile_autotp()
 
     def data_efficiency_enabled(self) -> bool:
@@ -366,22 +373,28 @@ class DeepSpeedConfigGetters:
         return self.config.data_efficiency.to_dict()
 
     def data_sampling_config(self) -> dict[str, Any]:
+        """``data_efficiency.data_sampling`` as a dict ({} when absent)."""
         return dict(self.data_efficiency_config().get("data_sampling") or {})
 
     def data_sampling_enabled(self) -> bool:
+        """``data_efficiency.data_sampling.enabled`` (False when absent)."""
         return bool(self.data_sampling_config().get("enabled", False))
 
     def curriculum_learning_config(self) -> dict[str, Any]:
+        """``data_efficiency.data_sampling.curriculum_learning`` as a dict ({} when absent)."""
         return dict(self.data_sampling_config().get("curriculum_learning") or {})
 
     def curriculum_learning_enabled(self) -> bool:
+        """``data_efficiency.data_sampling.curriculum_learning.enabled`` (False when absent)."""
         return bool(self.curriculum_learning_config().get("enabled", False))
 
     def random_ltd_config(self) -> dict[str, Any]:
+        """``data_efficiency.data_routing.random_ltd`` as a dict ({} when absent)."""
         routing = self.data_efficiency_config().get("data_routing") or {}
         return dict(routing.get("random_ltd") or {})
 
     def random_ltd_enabled(self) -> bool:
+        """``data_efficiency.data_routing.random_ltd.enabled`` (False when absent)."""
         return bool(self.random_ltd_config().get("enabled", False))
 
 

@@ -15,10 +15,10 @@ _REDUCES_ITSELF = ("the engine reduces gradients itself during engine.backward(l
                    "with backward); use engine.backward(loss) and engine.step()")
 _DEEPCOMPILE = ("DeepCompile is not part of zerospeed; use torch.compile on your own submodules "
                 "(e.g. model.layer = torch.compile(model.layer) before zerospeed.initialize)")
-_AUTOTUNING = ("autotuning is not part of zerospeed; set the batch sizes and zero_optimization keys "
-               "yourself (engine.autotuning_enabled() is always False)")
-_CURRICULUM = ("curriculum learning / data efficiency is not part of zerospeed; order or filter your "
-               "dataset yourself and pass it as training_data (or to engine.deepspeed_io)")
+_AUTOTUNING = ("autotuning is not part of zerospeed (engine.autotuning_enabled() is always False); use "
+               "explicit batch sizes and zero_optimization keys in the config")
+_CURRICULUM = ("curriculum learning / data efficiency is not part of zerospeed; use a dataset you order or "
+               "filter yourself, passed as training_data (or to engine.deepspeed_io)")
 _MOE = "lands with expert parallelism (MoE); until then use a dense model"
 
 #: Every refused name of DeepSpeed 0.19.8's ``DeepSpeedEngine``, with the reason and the replacement.
@@ -34,8 +34,9 @@ REFUSED: Mapping[str, str] = MappingProxyType({
     "sparse_allreduce": "sparse gradients are not supported (" + _REDUCES_ITSELF + ", densely)",
     "sparse_allreduce_bucket": "sparse gradients are not supported (" + _REDUCES_ITSELF + ", densely)",
     "sparse_allreduce_no_retain": "sparse gradients are not supported (" + _REDUCES_ITSELF + ", densely)",
-    "coalesce_grad_reduction": ("one reduction per accumulation window is what zerospeed does already at "
-                                "stages 0-1; use engine.no_sync() for the micro-batches before the last"),
+    "coalesce_grad_reduction": ("zerospeed already reduces once per accumulation window at stages 0-1 (at its "
+                                "last micro-batch) and reduce-scatters each micro-batch into shards at stages "
+                                "2-3; use engine.backward(loss) per micro-batch and engine.step()"),
     "clip_fp32_gradients": ("gradients live in the engine's buffers, not param.grad; engine.step() clips "
                             "them to the config's gradient_clipping (use that key)"),
     "scale": ("a manual loss.backward() bypasses the engine's gradient hooks; use engine.backward(loss), "
@@ -43,8 +44,8 @@ REFUSED: Mapping[str, str] = MappingProxyType({
     "set_gradient_accumulation_boundary": ("the boundary follows gradient_accumulation_steps; use "
                                            "engine.set_train_batch_size(n) to change it, or engine.no_sync() "
                                            "to skip reduction for a micro-batch"),
-    "get_optimizer_configuration": ("DeepSpeed's internal optimizer-class choice; zerospeed builds the "
-                                    "optimizer from the config's \"optimizer\" section (see engine.optimizer)"),
+    "get_optimizer_configuration": ("DeepSpeed's internal optimizer-class choice; use the config's "
+                                    "\"optimizer\" section, from which zerospeed builds engine.optimizer"),
     # state placement
     "offload_states": ("states stay where zero_optimization.offload_optimizer / offload_param put them; "
                        "use those config keys (engine.empty_partition_cache() frees gathered ZeRO-3 parameters)"),
