@@ -408,6 +408,13 @@ def test_set_train_batch_size_round_trip_and_refusal(one_rank: None) -> None:
         engine.backward(engine(x).square().mean())
         engine.step()
     assert boundaries == [False, False, True] and engine.global_steps == 1 and engine.global_samples == 6
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    with pytest.raises(RuntimeError, match=r"set_train_batch_size\(\) in the middle of an accumulation window \(1 of 3"):
+        engine.set_train_batch_size(4)
+    for _ in range(2):
+        engine.backward(engine(x).square().mean())
+        engine.step()
     with pytest.raises(ValueError, match=r"set_train_batch_size\(5\).*multiple of .* = 2"):
         engine.set_train_batch_size(5)
     assert engine.get_batch_info() == (6, 2, 3)
@@ -449,6 +456,20 @@ def test_module_state_dict_round_trip(stage: int, one_rank: None, tmp_path: path
 class _Stream(torch.utils.data.IterableDataset):
     def __iter__(self) -> Iterator[int]:
         return iter(range(3))
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_module_state_dict_leaves_frozen_parameters_out_on_request(stage: int, one_rank: None) -> None:
+    import zerospeed
+
+    model = _model()
+    model[0].weight.requires_grad_(False)
+    engine, *_ = zerospeed.initialize(model=model, config=_config(stage))
+    assert "0.weight" in engine.module_state_dict()
+    assert list(engine.module_state_dict(exclude_frozen_parameters=True)) == ["0.bias", "2.weight", "2.bias"]
+    kept = engine.module_state_dict(keep_vars=True)["2.weight"]
+    assert isinstance(kept, nn.Parameter) is (stage == 0)  # live tensors where parameters are whole
+    engine.destroy()
 
 
 def test_deepspeed_io_builds_the_rank_loader(one_rank: None) -> None:

@@ -54,6 +54,7 @@ class DeepSpeedEngineAPI(DeepSpeedConfigGetters):
         module: nn.Module
         optimizer: torch.optim.Optimizer | None
         training_dataloader: DistributedLoader | None
+        micro_steps: int
 
         def save_16bit_model(self, save_dir: str, save_filename: str = ...,
                              exclude_frozen_parameters: bool = ...) -> bool: ...
@@ -161,6 +162,7 @@ class DeepSpeedEngineAPI(DeepSpeedConfigGetters):
     def set_train_batch_size(self, train_batch_size: int) -> None:
         """Change the global batch by changing gradient accumulation steps; the micro batch stays.
         Call it between accumulation windows (as in DeepSpeed)."""
+        self._check_window_start("set_train_batch_size")
         per_step = self.settings.train_micro_batch_size_per_gpu * self.dp_world_size
         if isinstance(train_batch_size, bool) or not isinstance(train_batch_size, int) or train_batch_size < 1 \
                 or train_batch_size % per_step:
@@ -174,8 +176,18 @@ class DeepSpeedEngineAPI(DeepSpeedConfigGetters):
         loader ``initialize`` built keeps its batch size; build a new one with :meth:`deepspeed_io`."""
         if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
             raise ValueError(f"engine.set_train_micro_batch_size({micro_batch_size!r}): expected an integer >= 1")
+        self._check_window_start("set_train_micro_batch_size")
         gas = self.settings.gradient_accumulation_steps
         self._set_batch(micro_batch_size * gas * self.dp_world_size, micro_batch_size, gas)
+
+    def _check_window_start(self, caller: str) -> None:
+        """Batch sizes change between accumulation windows: mid-window, the micro-batches already run
+        would be averaged with the wrong count."""
+        done = self.micro_steps % self.settings.gradient_accumulation_steps
+        if done:
+            raise RuntimeError(f"engine.{caller}() in the middle of an accumulation window ({done} of "
+                               f"{self.settings.gradient_accumulation_steps} micro-batches done); call it after "
+                               f"the engine.step() that ends the window")
 
     def _set_batch(self, train: int, micro: int, gas: int) -> None:
         # The engine reads the batch from its TrainingPolicy; the config is kept in agreement.
@@ -236,21 +248,24 @@ class DeepSpeedEngineAPI(DeepSpeedConfigGetters):
     # -- model weights ---------------------------------------------------------------------------
     def module_state_dict(self, destination: dict[str, Any] | None = None, prefix: str = "",
                           keep_vars: bool = False, exclude_frozen_parameters: bool = False) -> dict[str, Any]:
-        """The model's full state dict (every rank calls this: ZeRO-3 parameters are gathered), with
-        parameters in the compute dtype and on the CPU (``keep_vars`` keeps the live stage 0-2 tensors)."""
-        full = dict(self.state.full_param_values())
-        names = {id(p): n for n, p in self.module.named_parameters()}
+        """The model's full state dict, as ``module.state_dict`` at stages 0-2 (parameters are whole
+        there). At stage 3 every rank must call it: parameters are gathered, and come back as CPU copies
+        in the compute dtype."""
         frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
         out: dict[str, Any] = destination if destination is not None else {}
+        if not self.zero_optimization_partition_weights():
+            state = self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
+            dropped = {prefix + n for n in frozen} if exclude_frozen_parameters else set()
+            out.update((key, value) for key, value in state.items() if key not in dropped)
+            return out
+        full = dict(self.state.full_param_values())
+        names = {id(p): n for n, p in self.module.named_parameters()}
         for key, value in self.module.state_dict(keep_vars=True).items():
             owner = names.get(id(value)) if isinstance(value, nn.Parameter) else None
-            if owner is not None:
-                if exclude_frozen_parameters and owner in frozen:
-                    continue
-                live = keep_vars and not self.zero_optimization_partition_weights()
-                out[prefix + key] = value if live else full[owner].detach().to("cpu", copy=True)
-            else:
+            if owner is None:
                 out[prefix + key] = value if keep_vars else value.detach()
+            elif not (exclude_frozen_parameters and owner in frozen):
+                out[prefix + key] = full[owner].detach().to("cpu", copy=True)
         return out
 
     def load_module_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True,
