@@ -26,6 +26,7 @@ from zerospeed.config.policies import TrainingPolicy
 from zerospeed.data.loader import DistributedLoader
 from zerospeed.distributed.comm import Comm
 from zerospeed.distributed.mesh import Mesh
+from zerospeed.engine_api import DeepSpeedEngineAPI
 from zerospeed.precision.policy import MixedPrecisionPolicy
 from zerospeed.profiling.timers import NoTimers, PhaseTimers
 from zerospeed.zero.contract import ModelState
@@ -45,7 +46,7 @@ class LRScheduler(Protocol):
     def step(self) -> Any: ...
 
 
-class Engine(nn.Module):
+class Engine(DeepSpeedEngineAPI, nn.Module):
     """Wraps ``module`` for data-parallel training; see :func:`zerospeed.initialize`.
 
     Gradients live in the engine's flat buffers, not in ``param.grad`` (which backward leaves None):
