@@ -403,3 +403,30 @@ def test_config_source_one_of_config_args_or_deepscale() -> None:
         _config_source(parser.parse_args(["--deepspeed_config", "x", "--deepscale_config", "y"]), None, None)
     with pytest.raises(ValueError, match="no config: pass config="):
         _config_source(plain, None, None)
+
+
+def _train_manual_boundary(stage: int) -> None:
+    """accelerate's way: set the boundary before each backward, one engine.step() per window."""
+    world, rank, accum = torch.distributed.get_world_size(), torch.distributed.get_rank(), 3
+    torch.manual_seed(0)
+    config = dict(_config(world, accum), zero_optimization={"stage": stage, "reduce_bucket_size": 50})
+    engine, _, _, sched = zerospeed.initialize(model=Net(), config=config)
+    x, y = _data(world, accum)
+    for step in range(STEPS):
+        for m in range(accum):
+            engine.set_gradient_accumulation_boundary(m == accum - 1)
+            assert engine.is_gradient_accumulation_boundary() == (m == accum - 1)
+            rows = _rows(step, rank, m, world, accum)
+            engine.backward(nn.functional.mse_loss(engine(x[rows]), y[rows]))
+        engine.step()
+        assert engine.was_step_applied()
+    assert engine.global_steps == STEPS
+    with zerospeed.zero.GatheredParameters(list(engine.module.parameters())):
+        got = [p.detach().clone() for p in engine.module.parameters()]
+    for g, expected in zip(got, _reference(world, accum), strict=True):
+        torch.testing.assert_close(g, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_manual_accumulation_boundary_matches_plain_pytorch(stage: int) -> None:
+    run_distributed(_train_manual_boundary, 2, stage)

@@ -83,6 +83,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         if optimizer is not None and self.state.optimizer is None:
             self.state.adopt(optimizer)
         self.micro_steps = 0
+        self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary's manual window
         self.global_steps = 0
         self.global_samples = 0
         self.skipped_steps = 0
@@ -109,8 +110,17 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         return self.settings.gradient_accumulation_steps
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """True while the current micro-batch is the last one of its accumulation window."""
+        """True while the current micro-batch is the last one of its accumulation window (counted from
+        ``gradient_accumulation_steps``, unless :meth:`set_gradient_accumulation_boundary` says)."""
+        if self._boundary_override is not None:
+            return self._boundary_override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """DeepSpeed's manual window (accelerate drives the engine this way): say before each backward
+        whether it ends the window (False for all micro-batches but the last, True for the last),
+        then call ``engine.step()`` once for the window. The setting stays until changed."""
+        self._boundary_override = bool(is_boundary)
 
     # -- forward / backward ----------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -320,15 +330,14 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         return self._global_grad_norm
 
     def get_lr(self) -> list[float]:
+        """Each parameter group's learning rate (``[]`` without an optimizer, as in DeepSpeed)."""
         return [group["lr"] for group in self._optimizer_groups()]
 
     def get_mom(self) -> list[Any]:
         return [group.get("betas", group.get("momentum")) for group in self._optimizer_groups()]
 
     def _optimizer_groups(self) -> list[dict]:
-        if self.optimizer is None:
-            raise RuntimeError("no optimizer: pass optimizer= to zerospeed.initialize or configure one")
-        return self.optimizer.param_groups
+        return self.optimizer.param_groups if self.optimizer is not None else []
 
     @property
     def cur_scale(self) -> float:

@@ -41,9 +41,6 @@ REFUSED: Mapping[str, str] = MappingProxyType({
                             "them to the config's gradient_clipping (use that key)"),
     "scale": ("a manual loss.backward() bypasses the engine's gradient hooks; use engine.backward(loss), "
               "which scales the loss by the live loss scale (engine.cur_scale)"),
-    "set_gradient_accumulation_boundary": ("the boundary follows gradient_accumulation_steps; use "
-                                           "engine.set_train_batch_size(n) to change it, or engine.no_sync() "
-                                           "to skip reduction for a micro-batch"),
     "get_optimizer_configuration": ("DeepSpeed's internal optimizer-class choice; use the config's "
                                     "\"optimizer\" section, from which zerospeed builds engine.optimizer"),
     # state placement
