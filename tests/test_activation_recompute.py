@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -12,7 +11,7 @@ import torch
 from torch import nn
 
 import zerospeed.checkpointing as checkpointing
-from zerospeed.accelerator import Accelerator
+from zerospeed.accelerator.cpu_accelerator import CPU_Accelerator
 from zerospeed.activation import Recomputer, RecomputeSettings, HostOffloadHooks
 from zerospeed.activation import compat
 from zerospeed.activation.recompute import HostOffloadStats
@@ -93,7 +92,7 @@ def test_cpu_checkpointing_grads_equal_and_inputs_stay_on_host() -> None:
 
 def test_host_offload_hooks_keep_host_tensors_without_copy() -> None:
     stats = HostOffloadStats()
-    hooks = HostOffloadHooks(Accelerator("cpu"), stats)
+    hooks = HostOffloadHooks(CPU_Accelerator(), stats)
     t = torch.arange(6.0).reshape(2, 3)
     device, packed = hooks.pack(t)
     assert packed is t and packed.device.type == "cpu" and device == t.device
@@ -209,20 +208,21 @@ def test_profile_counts_forwards_and_recomputes() -> None:
     assert (t.forward_calls, t.recompute_calls) == (4, 3)
 
 
-@dataclasses.dataclass(frozen=True)
-class CountingAccelerator(Accelerator):
-    calls: list[str] = dataclasses.field(default_factory=list)
+class CountingAccelerator(CPU_Accelerator):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
 
-    def synchronize(self) -> None:
+    def synchronize(self, device_index: int | None = None) -> None:
         self.calls.append("sync")
 
 
 def test_synchronize_checkpoint_boundary_syncs_before_and_after() -> None:
     lin = nn.Linear(4, 4)
-    on = CountingAccelerator("cpu")
+    on = CountingAccelerator()
     Recomputer(RecomputeSettings(synchronize_checkpoint_boundary=True),
                  accelerator=on).checkpoint(lin, torch.randn(2, 4))
-    off = CountingAccelerator("cpu")
+    off = CountingAccelerator()
     Recomputer(accelerator=off).checkpoint(lin, torch.randn(2, 4))
     assert (on.calls, off.calls) == (["sync", "sync"], [])
 

@@ -6,7 +6,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zerospeed.accelerator import Accelerator, get_accelerator
+from zerospeed.accelerator import get_accelerator
+from zerospeed.accelerator.cpu_accelerator import CPU_Accelerator
+from zerospeed.accelerator.cuda_accelerator import CUDA_Accelerator
 from zerospeed.distributed import Comm, DistEnv, ParallelDims, discover
 from zerospeed.distributed.env import first_host
 from zerospeed.testing import run_distributed
@@ -84,17 +86,17 @@ def test_slurm_first_host() -> None:
 
 
 def test_accelerator_choice() -> None:
-    assert get_accelerator({"ZEROSPEED_ACCELERATOR": "cpu"}) == Accelerator("cpu")
-    cpu = Accelerator("cpu")
-    assert (cpu.backend, cpu.device(3), cpu.is_cpu) == ("gloo", torch.device("cpu"), True)
-    assert Accelerator("cuda").backend == "nccl"
-    assert Accelerator("cuda").device(1) == torch.device("cuda", 1)
+    assert isinstance(get_accelerator({"ZEROSPEED_ACCELERATOR": "cpu"}), CPU_Accelerator)
+    cpu = CPU_Accelerator()
+    assert (cpu.backend, cpu.torch_device(3), cpu.is_cpu) == ("gloo", torch.device("cpu"), True)
+    assert CUDA_Accelerator().backend == "nccl"
+    assert CUDA_Accelerator().torch_device(1) == torch.device("cuda", 1)
     t = torch.ones(2)
     assert cpu.pin_memory(t) is t
     with pytest.raises(ValueError, match="ZEROSPEED_ACCELERATOR='tpu' is not a known accelerator"):
         get_accelerator({"ZEROSPEED_ACCELERATOR": "tpu"})
     if not torch.cuda.is_available():
-        assert get_accelerator({}) == cpu
+        assert isinstance(get_accelerator({}), CPU_Accelerator)
         with pytest.raises(RuntimeError, match="unset it to run on the CPU"):
             get_accelerator({"ZEROSPEED_ACCELERATOR": "cuda"})
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from zerospeed.accelerator import Accelerator
+from zerospeed.accelerator.cpu_accelerator import CPU_Accelerator
 from zerospeed.config import load_config
 from zerospeed.config.policies import ZeroPolicy
 from zerospeed.offload.store import StateStore, Tier
@@ -21,30 +21,30 @@ def _zero(**zero: Any) -> ZeroPolicy:
 
 
 def test_tiers_follow_the_config() -> None:
-    plain = StateStore.from_config(_zero(stage=3), CPU, Accelerator("cpu"))
+    plain = StateStore.from_config(_zero(stage=3), CPU, CPU_Accelerator())
     assert not plain.offloads_optimizer and not plain.offloads_params
     assert plain.optimizer == plain.params == plain.compute == Tier("device", CPU)
     both = StateStore.from_config(_zero(stage=3, offload_optimizer={"device": "cpu"},
-                                        offload_param={"device": "cpu", "pin_memory": True}), CPU, Accelerator("cpu"))
+                                        offload_param={"device": "cpu", "pin_memory": True}), CPU, CPU_Accelerator())
     assert both.offloads_optimizer and both.offloads_params
     assert both.optimizer == both.params == Tier("cpu", CPU, pinned=False)  # nothing to pin for without CUDA
     assert "optimizer state: cpu (cpu)" in both.describe() and "parameter shards: cpu (cpu)" in both.describe()
     # parameters are only offloaded by stage 3 (DeepSpeed warns and ignores it below)
-    stage2 = StateStore.from_config(_zero(stage=2, offload_optimizer={"device": "cpu"}), CPU, Accelerator("cpu"))
+    stage2 = StateStore.from_config(_zero(stage=2, offload_optimizer={"device": "cpu"}), CPU, CPU_Accelerator())
     assert stage2.offloads_optimizer and not stage2.offloads_params and stage2.offload_ratio == 1.0
 
 
 def test_ratio_keeps_the_first_units_on_the_device() -> None:
     store = StateStore.from_config(_zero(stage=3, offload_optimizer={"device": "cpu", "ratio": 0.25}), CPU,
-                                   Accelerator("cpu"))
+                                   CPU_Accelerator())
     tiers = store.optimizer_tiers([10] * 8)
     assert [t.name for t in tiers] == ["device"] * 6 + ["cpu"] * 2
     assert [t.name for t in store.optimizer_tiers([70, 10, 10, 10])] == ["device", "cpu", "cpu", "cpu"]
     assert "for 25% of the elements" in store.describe()
     none = StateStore.from_config(_zero(stage=3, offload_optimizer={"device": "cpu", "ratio": 0.0}), CPU,
-                                  Accelerator("cpu"))
+                                  CPU_Accelerator())
     assert {t.name for t in none.optimizer_tiers([5, 5, 5])} == {"device"}
-    full = StateStore.from_config(_zero(stage=3, offload_optimizer={"device": "cpu"}), CPU, Accelerator("cpu"))
+    full = StateStore.from_config(_zero(stage=3, offload_optimizer={"device": "cpu"}), CPU, CPU_Accelerator())
     assert {t.name for t in full.optimizer_tiers([5, 5, 5])} == {"cpu"}
 
 

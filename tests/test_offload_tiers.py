@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import zerospeed.ops.aio as public_aio
-from zerospeed.accelerator import Accelerator
+from zerospeed.accelerator.cpu_accelerator import CPU_Accelerator
 from zerospeed.config import load_config
 from zerospeed.offload import (IoStats, MemoryStorage, MemoryTier, NvmeRun, NvmeTier, StateStore, Tier,
                                remote_device_tier)
@@ -82,7 +82,7 @@ def test_the_public_aio_path_reexports_the_engine() -> None:
 def test_tiers_say_whether_they_swap_and_describe_themselves(tmp_path: Path) -> None:
     cfg = _cfg(stage=3, offload_optimizer={"device": "nvme", "nvme_path": str(tmp_path)},
                offload_param={"device": "cpu"})
-    store = StateStore.from_config(cfg.zero_optimization, CPU, Accelerator("cpu"), aio=cfg.aio)
+    store = StateStore.from_config(cfg.zero_optimization, CPU, CPU_Accelerator(), aio=cfg.aio)
     assert isinstance(store.optimizer, NvmeTier) and store.optimizer.swaps and store.swaps
     assert store.optimizer.aio is cfg.aio and store.optimizer.device == CPU
     assert store.params == MemoryTier("cpu", CPU) == Tier("cpu", CPU) and not store.params.swaps

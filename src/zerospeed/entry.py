@@ -88,7 +88,7 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     policy = policy_from_config(cfg)
     zero = ZeroPolicy.from_config(cfg.zero_optimization)
     training = TrainingPolicy.from_config(cfg)
-    model.to(get_accelerator().device(info.local_rank))
+    model.to(get_accelerator().torch_device(info.local_rank))
     _detach_previous_engine(model)
     policy.cast_module(model)
     _broadcast_from_rank0(model, comm)
