@@ -19,8 +19,9 @@ import os
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from zerospeed.distributed import groups
 
 from zerospeed.engine_config_api import DeepSpeedConfigGetters
 from zerospeed.engine_refusals import install_refusals
@@ -68,12 +69,12 @@ class DeepSpeedEngineAPI(DeepSpeedConfigGetters):
     @property
     def global_rank(self) -> int:
         """This process's rank in the whole job."""
-        return dist.get_rank() if dist.is_initialized() else 0
+        return groups.group_rank() if groups.is_initialized() else 0
 
     @property
     def world_size(self) -> int:
         """Processes in the whole job (every parallel axis together)."""
-        return dist.get_world_size() if dist.is_initialized() else 1
+        return groups.group_size() if groups.is_initialized() else 1
 
     @property
     def dp_world_size(self) -> int:
@@ -228,6 +229,7 @@ class DeepSpeedEngineAPI(DeepSpeedConfigGetters):
         """A loader giving this data-parallel rank its share of ``dataset``: micro batches of
         ``batch_size`` (default ``train_micro_batch_size_per_gpu``), shuffled for ``route="train"``,
         in order for ``"eval"``/``"predict"``."""
+        from zerospeed.accelerator import get_accelerator
         from zerospeed.data.loader import DistributedLoader
 
         if self.is_iterable_style_dataset(dataset) or not self.is_map_style_dataset(dataset):
@@ -243,7 +245,7 @@ class DeepSpeedEngineAPI(DeepSpeedConfigGetters):
                                  world_size=self.mesh.get_data_parallel_world_size(), collate_fn=collate_fn,
                                  drop_last=self.config.dataloader_drop_last, shuffle=route == "train",
                                  num_workers=num_local_io_workers or 0,
-                                 pin_memory=pin_memory and torch.cuda.is_available())
+                                 pin_memory=pin_memory and not get_accelerator().is_cpu)
 
     # -- model weights ---------------------------------------------------------------------------
     def module_state_dict(self, destination: dict[str, Any] | None = None, prefix: str = "",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import random
 from typing import Any
 
@@ -16,19 +15,22 @@ def see_memory_usage(message: str, force: bool = False) -> None:
     """Log this process's device and host memory (only with ``force``, as in DeepSpeed; rank 0 only)."""
     if not force:
         return
-    import torch.distributed as dist
+    from zerospeed.accelerator import get_accelerator
+    from zerospeed.accelerator import host_memory
+    from zerospeed.distributed import groups
 
-    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+    if groups.is_initialized() and groups.group_rank() != 0:
         return
     gib = float(1 << 30)
     parts = [message]
-    if torch.cuda.is_available():
-        parts.append(f"device allocated {torch.cuda.memory_allocated() / gib:.2f} GiB, max "
-                     f"{torch.cuda.max_memory_allocated() / gib:.2f} GiB, reserved {torch.cuda.memory_reserved() / gib:.2f} GiB")
-    page = os.sysconf("SC_PAGE_SIZE")
-    total, available = os.sysconf("SC_PHYS_PAGES") * page, os.sysconf("SC_AVPHYS_PAGES") * page
-    used = total - available
-    parts.append(f"host used {used / gib:.2f} GiB of {total / gib:.2f} GiB")
+    accelerator = get_accelerator()
+    if not accelerator.is_cpu:
+        parts.append(f"device allocated {accelerator.memory_allocated() / gib:.2f} GiB, max "
+                     f"{accelerator.max_memory_allocated() / gib:.2f} GiB, reserved "
+                     f"{accelerator.memory_reserved() / gib:.2f} GiB")
+    total = host_memory.total_bytes()
+    parts.append(f"host used {(total - host_memory.available_bytes()) / gib:.2f} GiB of {total / gib:.2f} GiB, "
+                 f"this process {host_memory.rss_bytes() / gib:.2f} GiB")
     log.info(" | ".join(parts))
 
 

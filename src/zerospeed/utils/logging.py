@@ -12,9 +12,9 @@ _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARN
 
 
 def _rank() -> int | None:
-    import torch.distributed as dist
+    from zerospeed.distributed import groups
 
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
+    return groups.group_rank() if groups.is_initialized() else None
 
 
 def log_dist(message: str, ranks: list[int] | None = None, level: int = logging.INFO) -> None:
