@@ -47,15 +47,26 @@ def _alias_hook_installed() -> bool:
     return any((Path(d) / "zerospeed_as_deepspeed.pth").is_file() for d in dirs)
 
 
-def _run_cifar(tmp_path: Path, stage: int, dtype: str) -> str:
+def _launcher(name: str) -> list[str]:
+    """2 ranks through zerospeed's launcher, or through torchrun (given a free port: it has no port 0)."""
+    if name == "zerospeed":
+        return [sys.executable, "-m", "zerospeed", "--num_procs", "2", "--master_port", "0"]
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port)]
+
+
+def _run_cifar(tmp_path: Path, stage: int, dtype: str, launcher: str = "zerospeed") -> str:
     assert _alias_hook_installed(), "zerospeed_as_deepspeed.pth is not in site-packages: run make install"
     _write_cifar(tmp_path / "data", train_per_file=512, test_images=64)
     env = dict(os.environ, ZEROSPEED_AS_DEEPSPEED="1",
                PYTHONPATH=os.pathsep.join([str(EXAMPLES / "offline"), str(ROOT / "src"),
                                            os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run(
-        [sys.executable, "-m", "zerospeed", "--num_procs", "2", "--master_port", "0",
-         str(EXAMPLES / "cifar" / "cifar10_deepspeed.py"), "--deepspeed", "--epochs", "1",
+        [*_launcher(launcher), str(EXAMPLES / "cifar" / "cifar10_deepspeed.py"), "--deepspeed", "--epochs", "1",
          "--dtype", dtype, "--stage", str(stage), "--log-interval", "32"],
         cwd=tmp_path, capture_output=True, text=True, env=env, timeout=240)
     out = done.stdout + done.stderr
@@ -63,10 +74,12 @@ def _run_cifar(tmp_path: Path, stage: int, dtype: str) -> str:
     return out
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_cifar10_example_trains_unchanged(tmp_path: Path, stage: int, dtype: str) -> None:
-    out = _run_cifar(tmp_path, stage, dtype)
+@pytest.mark.parametrize(("stage", "dtype", "launcher"), [
+    *((stage, dtype, "zerospeed") for stage in (0, 1, 2, 3) for dtype in ("fp32", "bf16")),
+    (2, "fp32", "torchrun"),  # the environment switch needs no zerospeed launcher
+])
+def test_cifar10_example_trains_unchanged(tmp_path: Path, stage: int, dtype: str, launcher: str) -> None:
+    out = _run_cifar(tmp_path, stage, dtype, launcher)
     # 2560 images, 16 per step (8 per rank x 2 ranks): 160 steps, rank 0 prints the mean loss of every 32
     losses = [float(x) for x in re.findall(r"\[ 1,\s+\d+\] loss:\s+([\d.]+)", out)]
     assert len(losses) == 5, out[-3000:]
