@@ -11,6 +11,10 @@ from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 from setuptools.command.editable_wheel import editable_wheel
 
+FLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-std=c11"]
+if os.environ.get("ZEROSPEED_PORTABLE_BUILD") != "1":  # built on the machine that runs it: use its ISA
+    FLAGS += ["-march=native", "-mprefer-vector-width=512"]
+
 # ``ZEROSPEED_AS_DEEPSPEED=1`` works at interpreter start through this file in site-packages.
 PTH = "zerospeed_as_deepspeed.pth"
 
@@ -25,10 +29,6 @@ class BuildPyWithPth(build_py):
     def get_outputs(self, include_bytecode: bool = True) -> list[str]:
         return [*super().get_outputs(include_bytecode), os.path.join(self.build_lib, PTH)]
 
-
-FLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-std=c11"]
-if os.environ.get("ZEROSPEED_PORTABLE_BUILD") != "1":  # built on the machine that runs it: use its ISA
-    FLAGS += ["-march=native", "-mprefer-vector-width=512"]
 
 class EditableWheelWithPth(editable_wheel):
     """``pip install -e``: put the same ``.pth`` hook in the editable wheel's root (site-packages).

@@ -21,6 +21,7 @@ _LAZY = {
     "Comm": "zerospeed.distributed.comm",
     "get_accelerator": "zerospeed.accelerator",
     "install_as_deepspeed": "zerospeed.deepspeed_alias",
+    "uninstall_as_deepspeed": "zerospeed.deepspeed_alias",
     # DeepSpeed's top-level names (``deepspeed.X`` once installed as deepspeed)
     "DeepSpeedEngine": "zerospeed.runtime.engine",
     "DeepSpeedOptimizer": "zerospeed.runtime.base_optimizer",
@@ -28,7 +29,6 @@ _LAZY = {
     "logger": "zerospeed.utils.logging",
     "init_inference": "zerospeed.not_built",
     "tp_model_init": "zerospeed.not_built",
-    "uninstall_as_deepspeed": "zerospeed.deepspeed_alias",
 }
 
 # Subpackages reachable as attributes after a bare ``import zerospeed`` (``zerospeed.zero.Init``).
