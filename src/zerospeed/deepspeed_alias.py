@@ -153,6 +153,9 @@ def install_as_deepspeed() -> None:
             f"shadow it. Uninstall it (pip uninstall deepspeed) to run DeepSpeed scripts on zerospeed, or "
             f"write `import zerospeed as deepspeed` in your own code")
     sys.meta_path.insert(0, DeepSpeedAliasFinder())
+    from zerospeed.integrations.hf import install_accelerate_shim
+
+    install_accelerate_shim()  # Accelerate + DeepSpeed on a CPU-only machine (see integrations/hf.py)
 
 
 def uninstall_as_deepspeed() -> None:
@@ -161,6 +164,9 @@ def uninstall_as_deepspeed() -> None:
     if finder is None:
         return
     sys.meta_path.remove(finder)
+    from zerospeed.integrations.hf import uninstall_accelerate_shim
+
+    uninstall_accelerate_shim()
     for name in [n for n in sys.modules if _target_name(n) is not None]:
         if sys.modules[name] is sys.modules.get(_target_name(name) or ""):
             del sys.modules[name]

@@ -128,8 +128,11 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         with self.timers.phase("forward"):
             return self.module(*args, **kwargs)
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
-        """Average ``loss`` over the accumulation window, scale it, and backpropagate."""
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Average ``loss`` over the accumulation window, scale it, and backpropagate.
+
+        ``scale_wrt_gas=False`` skips the division by ``gradient_accumulation_steps`` (as DeepSpeed):
+        the HF Trainer passes it because it has already divided its loss."""
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise ValueError(f"engine.backward expects a scalar loss tensor, got {type(loss).__name__}"
                              f"{'' if not isinstance(loss, torch.Tensor) else ' of shape ' + str(tuple(loss.shape))}")
@@ -140,7 +143,8 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
                                f"accumulation to skip (as in DeepSpeed); drop no_sync() or use stage 0 or 1")
         with self.timers.phase("backward"):
             self.state.begin_backward(self.is_gradient_accumulation_boundary() and not self._in_no_sync)
-            scaled = self.scaler.scale_loss(loss.float() / self.gradient_accumulation_steps())
+            window = self.gradient_accumulation_steps() if scale_wrt_gas else 1
+            scaled = self.scaler.scale_loss(loss.float() / window)
             scaled.backward(retain_graph=retain_graph)
             self.state.end_backward()
         return loss

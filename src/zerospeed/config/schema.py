@@ -117,6 +117,11 @@ class Config(ConfigSections):
                 data[key] = "auto" if isinstance(given, Auto) else given
         return data
 
+    def get(self, key: str, default: Any = None) -> Any:
+        """``to_dict().get(key, default)``: DeepSpeed's ``engine.config`` is the config dict, and
+        frameworks read it so (the HF Trainer: ``engine.config.get("zero_optimization", {})``)."""
+        return self.to_dict().get(key, default)
+
     def to_json(self, indent: int | None = 2) -> str:
         """The resolved config as DeepSpeed JSON: every default filled in, DeepSpeed names."""
         return json.dumps(self.to_dict(), indent=indent)
