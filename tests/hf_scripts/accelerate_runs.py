@@ -1,0 +1,75 @@
+"""A plain Accelerate training loop run under ``ZEROSPEED_AS_DEEPSPEED=1`` on 2 ranks: for each model it
+trains plain (DDP over gloo, ``cpu=True``), then with ``DeepSpeedPlugin(zero_stage=2)`` and with
+``DeepSpeedPlugin(hf_ds_config=...)`` at ZeRO-3, gradient accumulation 2; rank 0 writes every loss curve
+to ``<out>/curves.json``."""
+
+import json
+import os
+import sys
+
+import torch
+from accelerate import Accelerator, DeepSpeedPlugin
+from accelerate.state import AcceleratorState, GradientState
+from accelerate.utils import set_seed
+
+from zerospeed.testing.hf_models import TokenDataset, tiny_causal_lm
+
+OUT = sys.argv[1]
+KINDS = sys.argv[2].split(",")
+CONFIGS = sys.argv[3].split(",")
+STEPS = 12
+GAS = 2
+
+ZERO3 = {"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
+         "gradient_accumulation_steps": GAS, "gradient_clipping": 1.0,
+         "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto"}
+
+
+def plugin(name):
+    if name == "ddp":
+        return None
+    if name == "z2":
+        return DeepSpeedPlugin(zero_stage=2, gradient_accumulation_steps=GAS, gradient_clipping=1.0)
+    return DeepSpeedPlugin(hf_ds_config=dict(ZERO3))
+
+
+def train(kind, name):
+    # One process runs several configurations: start each from a fresh Accelerate state.
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    ds = plugin(name)
+    accelerator = Accelerator(cpu=ds is None, deepspeed_plugin=ds, gradient_accumulation_steps=GAS)
+    set_seed(0)
+    model = tiny_causal_lm(kind, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    loader = torch.utils.data.DataLoader(TokenDataset(STEPS * GAS * 4 * 2, seed=1), batch_size=4)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    losses, window = [], []
+    model.train()
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            if ds is None and accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)  # DeepSpeed clips in its step
+            optimizer.step()
+            optimizer.zero_grad()
+        window.append(accelerator.gather(loss.detach()).mean().item())
+        if accelerator.sync_gradients:
+            losses.append(sum(window) / len(window))
+            window = []
+    accelerator.wait_for_everyone()
+    return losses
+
+
+def main():
+    curves = {f"{kind}-{name}": train(kind, name) for kind in KINDS for name in CONFIGS}
+    if int(os.environ.get("RANK", "0")) == 0:
+        for key, curve in curves.items():
+            print(key, curve, flush=True)
+        with open(os.path.join(OUT, "curves.json"), "w") as f:
+            json.dump(curves, f)
+
+
+if __name__ == "__main__":
+    main()
