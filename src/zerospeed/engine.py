@@ -300,6 +300,18 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
 
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
+                                             ) -> dict[str, torch.Tensor] | None:
+        """DeepSpeed's private name, called by Accelerate's ``get_state_dict`` and the HF Trainer's
+        ``save_model`` at stage 3: the whole model on CPU in the compute dtype on rank 0, None elsewhere.
+        Every rank must call it (shards are gathered). Raises ValueError below stage 3, as DeepSpeed."""
+        if self.zero_optimization_stage() != 3:
+            raise ValueError("_zero3_consolidated_16bit_state_dict requires ZeRO stage 3 "
+                             f"(this engine runs stage {self.zero_optimization_stage()}); use module.state_dict()")
+        from zerospeed.checkpoint.consolidate import consolidated_16bit_state_dict
+
+        return consolidated_16bit_state_dict(self, exclude_frozen_parameters)
+
     # -- memory ---------------------------------------------------------------------------
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds now, measured from the allocated tensors: ``params``, ``grads`` and

@@ -37,10 +37,11 @@ def train(kind, name):
     # One process runs several configurations: start each from a fresh Accelerate state.
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+    # The model is built before the plugin: a ZeRO-3 plugin would otherwise build it under deepspeed.zero.Init.
+    model = tiny_causal_lm(kind, seed=0)
     ds = plugin(name)
     accelerator = Accelerator(cpu=ds is None, deepspeed_plugin=ds, gradient_accumulation_steps=GAS)
     set_seed(0)
-    model = tiny_causal_lm(kind, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     loader = torch.utils.data.DataLoader(TokenDataset(STEPS * GAS * 4 * 2, seed=1), batch_size=4)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)

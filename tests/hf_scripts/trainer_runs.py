@@ -8,6 +8,7 @@ import sys
 
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from zerospeed.testing.hf_models import TokenDataset, tiny_causal_lm
 
@@ -56,6 +57,11 @@ class Losses(TrainerCallback):
 
 
 def train(kind, ds, run_dir, max_steps, resume=None):
+    # The model is built before TrainingArguments(deepspeed=...) registers its config, so a ZeRO-3 config
+    # does not route from_config through deepspeed.zero.Init: the engine partitions the whole model (the
+    # previous run's registration is dropped first; building under zero.Init is the ZeRO-3 engineer's part).
+    unset_hf_deepspeed_config()
+    model = tiny_causal_lm(kind, seed=0)
     # warmup_steps=0 keeps the plain scheduler (linear decay) and DeepSpeed's WarmupLR comparable: both
     # are constant here because lr_scheduler_type="constant".
     args = TrainingArguments(output_dir=run_dir, max_steps=max_steps, per_device_train_batch_size=4,
@@ -64,7 +70,6 @@ def train(kind, ds, run_dir, max_steps, resume=None):
                              save_strategy="steps", report_to=[], seed=0, data_seed=0, deepspeed=ds,
                              dataloader_num_workers=0, disable_tqdm=True, max_grad_norm=1.0,
                              save_only_model=False, use_cpu=ds is None)  # plain run: DDP over gloo
-    model = tiny_causal_lm(kind, seed=0)
     cb = Losses()
     trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(512, seed=1), callbacks=[cb])
     trainer.train(resume_from_checkpoint=resume)

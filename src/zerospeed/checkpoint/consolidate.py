@@ -201,9 +201,10 @@ def _write_shard(ckpt: CheckpointSet, path: str, shard: list[tuple], chunk_bytes
 
 
 # -- 16-bit weights from a live engine -----------------------------------------------------------
-def save_16bit_model(engine: CheckpointedEngine, save_dir: str, save_filename: str = "pytorch_model.bin",
-                     exclude_frozen_parameters: bool = False) -> bool:
-    """See :meth:`zerospeed.engine.Engine.save_16bit_model`."""
+def consolidated_16bit_state_dict(engine: CheckpointedEngine,
+                                  exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor] | None:
+    """The model's whole state dict on CPU, in the compute dtype, on rank 0 (None on the other ranks).
+    Every rank must call it: ZeRO-3 shards are gathered. Tied parameters stay one tensor under each key."""
     rank0 = engine.comm.rank == 0
     module = engine.module
     trainable = {name for name, p in module.named_parameters() if p.requires_grad}
@@ -211,16 +212,25 @@ def save_16bit_model(engine: CheckpointedEngine, save_dir: str, save_filename: s
     for name, value in engine.state.full_param_values():
         if rank0 and (name in trainable or not exclude_frozen_parameters):
             weights[name] = value.detach().to("cpu", copy=True)
-    if rank0:
-        canonical = {id(p): n for n, p in module.named_parameters()}
-        state: dict[str, torch.Tensor] = {}
-        for key, value in module.state_dict(keep_vars=True).items():
-            if isinstance(value, nn.Parameter):
-                owner = canonical.get(id(value))
-                if owner is not None and owner in weights:
-                    state[key] = weights[owner]
-            else:
-                state[key] = value.detach().to("cpu", copy=True)
+    if not rank0:
+        return None
+    canonical = {id(p): n for n, p in module.named_parameters()}
+    state: dict[str, torch.Tensor] = {}
+    for key, value in module.state_dict(keep_vars=True).items():
+        if isinstance(value, nn.Parameter):
+            owner = canonical.get(id(value))
+            if owner is not None and owner in weights:
+                state[key] = weights[owner]
+        else:
+            state[key] = value.detach().to("cpu", copy=True)
+    return state
+
+
+def save_16bit_model(engine: CheckpointedEngine, save_dir: str, save_filename: str = "pytorch_model.bin",
+                     exclude_frozen_parameters: bool = False) -> bool:
+    """See :meth:`zerospeed.engine.Engine.save_16bit_model`."""
+    state = consolidated_16bit_state_dict(engine, exclude_frozen_parameters)
+    if state is not None:
         os.makedirs(save_dir, exist_ok=True)
         path = os.path.join(save_dir, save_filename)
         tmp = path + ".partial"
