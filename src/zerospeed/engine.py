@@ -84,6 +84,9 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
             self.state.adopt(optimizer)
         self.micro_steps = 0
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary's manual window
+        # Gradients of the current window are accumulated but not stepped yet (what a checkpoint cannot hold;
+        # micro_steps cannot say it: under the manual window step() runs once per window, as in DeepSpeed).
+        self._window_open = False
         self.global_steps = 0
         self.global_samples = 0
         self.skipped_steps = 0
@@ -147,6 +150,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
             scaled = self.scaler.scale_loss(loss.float() / window)
             scaled.backward(retain_graph=retain_graph)
             self.state.end_backward()
+        self._window_open = True
         return loss
 
     @contextlib.contextmanager
@@ -187,7 +191,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         norm = float(self.state.sum_over_ranks(local.double().square()).sqrt())
         overflow = self.policy.check_overflow and not math.isfinite(norm)
         self.scaler.update(overflow)
-        self._publish_scale()
+        self._publish_scale(overflow)
         if overflow:  # DeepSpeed counts a skipped step as a step (global_steps, global_samples)
             self.skipped_steps += 1
             self._count_step()
@@ -210,15 +214,20 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
 
-    def _publish_scale(self) -> None:
+    def _publish_scale(self, overflow: bool = False) -> None:
+        """Set ``optimizer.cur_scale`` and ``optimizer.overflow`` (whether the last window's step was
+        skipped), as DeepSpeed's ZeRO optimizers carry them: Accelerate's ``step_was_skipped`` reads
+        ``overflow``, and the HF Trainer then holds its LR scheduler back."""
         if self.optimizer is not None:
             self.optimizer.cur_scale = float(self.scaler.loss_scale)  # type: ignore[attr-defined]
+            self.optimizer.overflow = bool(overflow)  # type: ignore[attr-defined]
 
     def restore_progress(self, *, global_steps: int, global_samples: int, micro_steps: int,
                          skipped_steps: int) -> None:
         """Set the step counters (a checkpoint load; ``micro_steps`` at the start of a window)."""
         self.global_steps, self.global_samples = global_steps, global_samples
         self.micro_steps, self.skipped_steps = micro_steps, skipped_steps
+        self._window_open = False
 
     def load_scaler_state(self, state: dict[str, Any]) -> None:
         """Restore the loss scaler (a checkpoint load) and publish its scale on the optimizer."""
@@ -227,10 +236,12 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
 
     def _finish_window(self) -> None:
         self.state.zero()
+        self._window_open = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop accumulated gradients (``step`` already does this at each boundary)."""
         self.state.zero()
+        self._window_open = False
 
     # -- checkpoints ------------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict | None = None,

@@ -35,6 +35,8 @@ class CheckpointedEngine(Protocol):
     global_samples: int
     micro_steps: int
     skipped_steps: int
+    #: Gradients are accumulated that no step has applied yet (a save then loses them).
+    _window_open: bool
 
     def gradient_accumulation_steps(self) -> int: ...
 

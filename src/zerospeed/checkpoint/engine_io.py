@@ -75,7 +75,7 @@ def save_checkpoint(engine: CheckpointedEngine, save_dir: str, tag: Any = None, 
         raise CheckpointError(f"save_checkpoint was called with different tags or directories on different ranks "
                               f"({listing}); pass the same tag and save_dir everywhere (tag=None uses "
                               f"global_step<N>, which the ranks agree on)")
-    if engine.micro_steps % engine.gradient_accumulation_steps():
+    if engine._window_open:
         warnings.warn(f"save_checkpoint in the middle of a gradient accumulation window (micro step "
                       f"{engine.micro_steps}): the partly accumulated gradients are not saved, and a run "
                       f"resumed from it starts a new window", stacklevel=3)

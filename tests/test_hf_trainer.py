@@ -1,0 +1,72 @@
+"""The Hugging Face ``Trainer``, unchanged, on zerospeed through ``ZEROSPEED_AS_DEEPSPEED=1``: 2 ranks on
+CPU (gloo), tiny GPT-2 and Llama in fp32. ``deepspeed=`` a ZeRO-2 and a ZeRO-3 config from the HF docs
+("auto" values filled in by the Trainer) gives the plain Trainer's (DDP) loss curve over 30 steps within
+1e-5, and a run stopped at step 15 then resumed with ``resume_from_checkpoint`` continues identically.
+One launch runs every configuration (tests/hf_scripts/trainer_runs.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "hf_scripts" / "trainer_runs.py"
+KINDS = ("gpt2", "llama")
+CONFIGS = ("ddp", "z2", "z3", "z2-resume", "z3-resume")
+TOL = 1e-5
+
+
+def _alias_env() -> dict[str, str]:
+    return dict(os.environ, ZEROSPEED_AS_DEEPSPEED="1", TOKENIZERS_PARALLELISM="false",
+                PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+
+
+@pytest.fixture(scope="module")
+def curves(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, float]]:
+    out = tmp_path_factory.mktemp("hf_trainer")
+    done = subprocess.run(
+        [sys.executable, "-m", "zerospeed", "--num_procs", "2", "--master_port", "0", str(SCRIPT), str(out),
+         ",".join(KINDS), ",".join(CONFIGS)],
+        cwd=out, capture_output=True, text=True, env=_alias_env(), timeout=280)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    with open(out / "curves.json") as f:
+        loaded: dict[str, dict[str, float]] = json.load(f)
+    return loaded
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("config", CONFIGS[1:])
+def test_trainer_deepspeed_matches_plain_trainer(curves: dict[str, dict[str, float]], kind: str, config: str) -> None:
+    plain, got = curves[f"{kind}-ddp"], curves[f"{kind}-{config}"]
+    assert sorted(plain, key=int) == [str(s) for s in range(1, 31)], "the plain run logs one loss per step"
+    assert sorted(got, key=int) == sorted(plain, key=int), f"{config}: steps logged differ"
+    worst = max(abs(got[s] - plain[s]) for s in plain)
+    assert worst <= TOL, f"{kind} {config}: loss differs from the plain Trainer by {worst:g}\n{got}\n{plain}"
+    assert plain["30"] < plain["1"] - 0.5, "the tiny model should learn within 30 steps"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("stage", ("z2", "z3"))
+def test_resumed_run_continues_identically(curves: dict[str, dict[str, float]], kind: str, stage: str) -> None:
+    whole, resumed = curves[f"{kind}-{stage}"], curves[f"{kind}-{stage}-resume"]
+    assert all(abs(resumed[s] - whole[s]) <= TOL for s in whole), (whole, resumed)
+
+
+def test_transformers_sees_deepspeed_after_install() -> None:
+    """``install_as_deepspeed()`` in a fresh interpreter: transformers reports DeepSpeed available."""
+    code = ("import zerospeed; zerospeed.install_as_deepspeed()\n"
+            "from transformers.integrations import is_deepspeed_available\n"
+            "from transformers.integrations.deepspeed import is_deepspeed_available as inner\n"
+            "print(is_deepspeed_available(), inner())\n")
+    env = {k: v for k, v in _alias_env().items() if k != "ZEROSPEED_AS_DEEPSPEED"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["True", "True"], done.stdout + done.stderr[-2000:]
