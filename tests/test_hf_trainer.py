@@ -1,7 +1,8 @@
 """The Hugging Face ``Trainer``, unchanged, on zerospeed through ``ZEROSPEED_AS_DEEPSPEED=1``: 2 ranks on
 CPU (gloo), tiny GPT-2 and Llama in fp32. ``deepspeed=`` a ZeRO-2 and a ZeRO-3 config from the HF docs
 ("auto" values filled in by the Trainer) gives the plain Trainer's (DDP) loss curve over 30 steps within
-1e-5, and a run stopped at step 15 then resumed with ``resume_from_checkpoint`` continues identically.
+1e-5 (so do ZeRO-3 with CPU offload and ZeRO-2 with the Trainer's own optimizer), and a run stopped at
+step 15 then resumed with ``resume_from_checkpoint`` continues identically.
 One launch runs every configuration (tests/hf_scripts/trainer_runs.py)."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "hf_scripts" / "trainer_runs.py"
 KINDS = ("gpt2", "llama")
 CONFIGS = ("ddp", "z2", "z3", "z2-resume", "z3-resume")
+EXTRA = ("gpt2/z3off", "llama/z2torch")  # ZeRO-3 with CPU offload; ZeRO-2 with the Trainer's own optimizer
 TOL = 1e-5
 
 
@@ -34,7 +36,7 @@ def curves(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, floa
     out = tmp_path_factory.mktemp("hf_trainer")
     done = subprocess.run(
         [sys.executable, "-m", "zerospeed", "--num_procs", "2", "--master_port", "0", str(SCRIPT), str(out),
-         ",".join(KINDS), ",".join(CONFIGS)],
+         ",".join(KINDS), ",".join(CONFIGS + EXTRA)],
         cwd=out, capture_output=True, text=True, env=_alias_env(), timeout=280)
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
     with open(out / "curves.json") as f:
@@ -42,8 +44,8 @@ def curves(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, floa
     return loaded
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("config", CONFIGS[1:])
+@pytest.mark.parametrize(("kind", "config"), [*((k, c) for k in KINDS for c in CONFIGS[1:]),
+                                              *(tuple(e.split("/")) for e in EXTRA)])
 def test_trainer_deepspeed_matches_plain_trainer(curves: dict[str, dict[str, float]], kind: str, config: str) -> None:
     plain, got = curves[f"{kind}-ddp"], curves[f"{kind}-{config}"]
     assert sorted(plain, key=int) == [str(s) for s in range(1, 31)], "the plain run logs one loss per step"

@@ -1,6 +1,9 @@
 """An ordinary HF Trainer script run under ``ZEROSPEED_AS_DEEPSPEED=1`` on 2 ranks: for each model it trains
-30 steps plain (DDP), with ZeRO-2 and ZeRO-3 configs from the HF docs ("auto" values), and a ZeRO-2/3 run
-stopped at step 15 then resumed; rank 0 writes every loss curve to ``<out>/curves.json``."""
+30 steps plain (DDP), with ZeRO-2 and ZeRO-3 configs from the HF docs ("auto" values), ZeRO-3 with CPU
+offload, ZeRO-2 with the Trainer's own optimizer, and ZeRO-2/3 runs stopped at step 15 then resumed; rank 0
+writes every loss curve to ``<out>/curves.json``.
+
+    python -m zerospeed --num_procs 2 trainer_runs.py OUT gpt2,llama ddp,z2,z3,gpt2/z3off,z2-resume"""
 
 import json
 import os
@@ -45,6 +48,14 @@ ZERO3 = {
 }
 
 
+# The docs' ZeRO-3 offload variant: optimizer states and parameters in CPU memory (DeepSpeedCPUAdam).
+ZERO3_OFFLOAD = {**ZERO3, "zero_optimization": {**ZERO3["zero_optimization"],
+                                                "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                                                "offload_param": {"device": "cpu", "pin_memory": True}}}
+# No "optimizer" section: the Trainer builds its own torch AdamW and hands it to DeepSpeed.
+ZERO2_TRAINER_OPTIM = {k: v for k, v in ZERO2.items() if k != "optimizer"}
+
+
 class Losses(TrainerCallback):
     """Keeps each logged training loss (logging_steps=1: one per optimizer step)."""
 
@@ -80,8 +91,10 @@ def main():
     rank = int(os.environ.get("RANK", "0"))
     curves = {}
     for kind in KINDS:
-        for name in CONFIGS:
-            ds = {"ddp": None, "z2": ZERO2, "z3": ZERO3}[name.split("-")[0]]
+        # A configuration written "kind/name" runs for that model only.
+        for name in [c.split("/")[-1] for c in CONFIGS if "/" not in c or c.startswith(kind + "/")]:
+            ds = {"ddp": None, "z2": ZERO2, "z3": ZERO3, "z3off": ZERO3_OFFLOAD,
+                  "z2torch": ZERO2_TRAINER_OPTIM}[name.split("-")[0]]
             run_dir = os.path.join(OUT, f"{kind}-{name}")
             if name.endswith("-resume"):
                 first = train(kind, ds, run_dir, 15)
