@@ -96,3 +96,26 @@ def test_backend_shim_only_answers_accelerate_deepspeed_on_cpu(monkeypatch: pyte
     monkeypatch.delenv("LOCAL_RANK")
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     assert state._prepare_backend(False) == (None, "NO")
+
+
+def test_launcher_runner_and_groups_answer_what_accelerate_imports(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``accelerate launch`` imports ``DEEPSPEED_ENVIRONMENT_NAME``; Accelerate and transformers ask
+    ``deepspeed.utils.groups`` for the sequence-parallel group (none here: KeyError, as DeepSpeed)."""
+    import importlib
+
+    import zerospeed.launcher.runner as runner
+    from zerospeed.utils import groups
+
+    assert runner.DEEPSPEED_ENVIRONMENT_NAME == os.environ.get("DS_ENV_FILE", ".deepspeed_env")
+    monkeypatch.setenv("DS_ENV_FILE", "custom_env")
+    try:
+        assert importlib.reload(runner).DEEPSPEED_ENVIRONMENT_NAME == "custom_env"
+    finally:
+        monkeypatch.undo()
+        importlib.reload(runner)
+    assert groups._get_sequence_parallel_world_size() == 1 and groups._get_sequence_parallel_rank() == 0
+    assert groups._get_model_parallel_world_size() == 1
+    with pytest.raises(KeyError, match="sequence parallel"):
+        groups._get_sequence_parallel_group()
+    with pytest.raises(RuntimeError, match="not started"):
+        groups._get_data_parallel_world_size()
