@@ -36,8 +36,17 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _alias_hook_installed() -> bool:
+    """The scripts rely on ``ZEROSPEED_AS_DEEPSPEED=1``, read by the .pth hook ``make install`` puts in place."""
+    import site
+
+    dirs = [*site.getsitepackages(), site.getusersitepackages()]
+    return any((Path(d) / "zerospeed_as_deepspeed.pth").is_file() for d in dirs)
+
+
 @pytest.fixture(scope="module")
 def curves(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[float]]:
+    assert _alias_hook_installed(), "zerospeed_as_deepspeed.pth is not in site-packages: run make install"
     out = tmp_path_factory.mktemp("accelerate")
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),

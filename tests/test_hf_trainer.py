@@ -31,8 +31,17 @@ def _alias_env() -> dict[str, str]:
                 PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
 
 
+def _alias_hook_installed() -> bool:
+    """The scripts rely on ``ZEROSPEED_AS_DEEPSPEED=1``, read by the .pth hook ``make install`` puts in place."""
+    import site
+
+    dirs = [*site.getsitepackages(), site.getusersitepackages()]
+    return any((Path(d) / "zerospeed_as_deepspeed.pth").is_file() for d in dirs)
+
+
 @pytest.fixture(scope="module")
 def curves(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, float]]:
+    assert _alias_hook_installed(), "zerospeed_as_deepspeed.pth is not in site-packages: run make install"
     out = tmp_path_factory.mktemp("hf_trainer")
     done = subprocess.run(
         [sys.executable, "-m", "zerospeed", "--num_procs", "2", "--master_port", "0", str(SCRIPT), str(out),
