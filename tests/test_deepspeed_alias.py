@@ -59,6 +59,8 @@ PATHS = {
                         "RepeatingLoader": "zerospeed.data.loader.RepeatingLoader",
                         "safe_get_full_fp32_param": "zerospeed.utils.safe_get_full_fp32_param"},
     "deepspeed.utils.logging": {"logger": "zerospeed.utils.logging.logger"},
+    "deepspeed.utils.groups": {"_get_sequence_parallel_world_size": None, "_get_data_parallel_group": None},
+    "deepspeed.launcher.runner": {"DEEPSPEED_ENVIRONMENT_NAME": None, "main": None},
     "deepspeed.utils.zero_to_fp32": {"get_fp32_state_dict_from_zero_checkpoint": None,
                                      "load_state_dict_from_zero_checkpoint": None,
                                      "convert_zero_checkpoint_to_fp32_state_dict": None},
