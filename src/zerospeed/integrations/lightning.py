@@ -14,7 +14,8 @@ Importing this module registers the strategy in Lightning's registry, so ``Train
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -35,7 +36,7 @@ from torch.optim import Optimizer
 
 from zerospeed.engine import Engine
 from zerospeed.integrations.lightning_config import ConfigSource, lightning_config
-from zerospeed.integrations.lightning_precision import ZeroSpeedPrecision, precision_flag
+from zerospeed.integrations.lightning_precision import ZeroSpeedPrecision, accumulates, precision_flag
 
 __all__ = ["ZeroSpeedStrategy", "ZeroSpeedPrecision"]
 
@@ -96,11 +97,6 @@ class ZeroSpeedStrategy(DDPStrategy):
             raise RuntimeError("ZeroSpeedStrategy has no engine yet: it is built when Trainer.fit (or validate/"
                                "test/predict) sets the strategy up")
         return self.model
-
-    @property
-    def handles_gradient_accumulation(self) -> bool:
-        """The engine accumulates (``gradient_accumulation_steps`` = ``accumulate_grad_batches``)."""
-        return True
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -167,12 +163,22 @@ class ZeroSpeedStrategy(DDPStrategy):
             scheduler_config = LRSchedulerConfig(engine_scheduler, interval="step")
         self.optimizers = [engine_optimizer] if engine_optimizer is not None else []
         self.lr_scheduler_configs = [scheduler_config] if scheduler_config is not None else []
+        # Lightning decides where an accumulation window ends (a last, shorter window at an epoch's end
+        # included, as with DDP) and calls optimizer_step only there; the precision plugin marks that
+        # micro-batch as the engine's boundary. Without accumulation every micro-batch is one.
+        engine.set_gradient_accumulation_boundary(not accumulates(self.lightning_module))
         self.model = engine
 
     def configure_ddp(self) -> None:  # never wrapped in DistributedDataParallel: the engine reduces
         raise NotImplementedError("ZeroSpeedStrategy does not use DistributedDataParallel")
 
     # -- backward / step (the precision plugin routes them to the engine) --------------------------------
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Nothing to block: the engine already skips the reduce inside a window where its stage allows
+        (Lightning would call ``engine.no_sync()``, which stages 2-3 refuse, as DeepSpeed does)."""
+        yield None
+
     def pre_backward(self, closure_loss: Tensor) -> None:
         """Nothing: DDP's bookkeeping does not apply (the engine's hooks reduce gradients)."""
 

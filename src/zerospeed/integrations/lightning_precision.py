@@ -37,6 +37,12 @@ def precision_flag(plugin: Any, *, owner: str) -> str:
     return str(getattr(plugin, "precision", "32-true"))
 
 
+def accumulates(module: pl.LightningModule | None) -> bool:
+    """Whether Lightning accumulates micro-batches for ``module`` (automatic optimization, window > 1)."""
+    return (module is not None and module.automatic_optimization
+            and module.trainer.accumulate_grad_batches > 1)
+
+
 def _engine_of(model: pl.LightningModule) -> Engine:
     from zerospeed.engine import Engine
 
@@ -67,9 +73,23 @@ class ZeroSpeedPrecision(Precision):
                        closure: Callable[[], Any], **kwargs: Any) -> Any:
         """Run the closure (hooks, forward, backward) then ``engine.step()``, which steps at the window's end."""
         engine = _engine_of(model)
-        # Lightning's closure wrapper: training step, backward, on_before_optimizer_step hooks (with the real
-        # optimizer), clipping hook; then the engine's step (which also zeroes its gradient window).
-        result = self._wrap_closure(model, optimizer, closure)
+        # Lightning calls this only for the micro-batch that ends its window (the other micro-batches run
+        # the closure alone): tell the engine before that backward, so it reduces and then steps.
+        window = accumulates(model)
+        if window:
+            engine.set_gradient_accumulation_boundary(True)
+        try:
+            # Lightning's closure wrapper: training step, backward, on_before_optimizer_step hooks (with the
+            # real optimizer), clipping hook; then the engine's step (which also zeroes its window).
+            result = self._wrap_closure(model, optimizer, closure)
+            self._engine_step(engine, model, result, kwargs)
+        finally:
+            if window:
+                engine.set_gradient_accumulation_boundary(False)
+        return result
+
+    @staticmethod
+    def _engine_step(engine: Engine, model: pl.LightningModule, result: Any, kwargs: dict[str, Any]) -> None:
         if model.automatic_optimization and result is None:
             raise RuntimeError("training_step returned None (skipping backward) with ZeroSpeedStrategy: every "
                                "rank must run backward and step together; return a loss on every step")
@@ -77,7 +97,6 @@ class ZeroSpeedPrecision(Precision):
             raise TypeError(f"ZeroSpeedStrategy: optimizer.step() keyword arguments {sorted(kwargs)} cannot be "
                             "passed on: engine.step() takes none")
         engine.step()
-        return result
 
     def clip_gradients(self, optimizer: Any, clip_val: int | float = 0.0,
                        gradient_clip_algorithm: Any = None) -> None:
