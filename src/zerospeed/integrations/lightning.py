@@ -35,7 +35,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from zerospeed.engine import Engine
-from zerospeed.integrations.lightning_config import ConfigSource, lightning_config
+from zerospeed.integrations.lightning_config import ConfigSource, export_rank_environment, lightning_config
 from zerospeed.integrations.lightning_precision import ZeroSpeedPrecision, accumulates, precision_flag
 
 __all__ = ["ZeroSpeedStrategy", "ZeroSpeedPrecision"]
@@ -79,7 +79,7 @@ class ZeroSpeedStrategy(DDPStrategy):
         self.exclude_frozen_parameters = exclude_frozen_parameters
 
     # -- precision: whatever the Trainer's flag built becomes our plugin --------------------------------
-    @property  # type: ignore[override]
+    @property
     def precision_plugin(self) -> ZeroSpeedPrecision:
         plugin = self._precision_plugin
         return plugin if isinstance(plugin, ZeroSpeedPrecision) else ZeroSpeedPrecision()
@@ -89,6 +89,14 @@ class ZeroSpeedStrategy(DDPStrategy):
         if plugin is not None and not isinstance(plugin, ZeroSpeedPrecision):
             plugin = ZeroSpeedPrecision(precision_flag(plugin, owner="ZeroSpeedStrategy"))
         self._precision_plugin = plugin
+
+    def setup_distributed(self) -> None:
+        """DDP's process group, plus the rank variables ``zerospeed.initialize`` reads."""
+        super().setup_distributed()
+        assert self.cluster_environment is not None
+        export_rank_environment(rank=self.global_rank, world_size=self.world_size, local_rank=self.local_rank,
+                                main_address=self.cluster_environment.main_address,
+                                main_port=self.cluster_environment.main_port)
 
     @property
     def engine(self) -> Engine:

@@ -24,6 +24,17 @@ DEFAULT_CONFIG: dict[str, Any] = {"zero_optimization": {"stage": 2}}
 ConfigSource = Mapping[str, Any] | str | os.PathLike[str] | None
 
 
+def export_rank_environment(*, rank: int, world_size: int, local_rank: int, main_address: str,
+                            main_port: int) -> None:
+    """Publish the ranks as torchrun does (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT).
+
+    ``zerospeed.initialize`` reads them even when Lightning already started the process group, and
+    Lightning's own launcher sets only some (as Lightning's DeepSpeed strategy, we set the rest).
+    """
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_rank),
+                       "MASTER_ADDR": main_address, "MASTER_PORT": str(main_port)})
+
+
 def check_precision(precision: str, *, owner: str = "ZeroSpeedStrategy") -> str:
     """``precision`` if the engine can honour it; a ValueError naming the supported flags otherwise."""
     if precision in PRECISION_SECTIONS:
@@ -92,8 +103,8 @@ def _apply_clipping(cfg: dict[str, Any], clip_val: float | None, clip_algorithm:
                           f"global norm only (config gradient_clipping); use gradient_clip_algorithm='norm'")
     given = cfg.get("gradient_clipping")
     if given in (None, "auto"):
-        cfg["gradient_clipping"] = float(clip_val)  # type: ignore[arg-type]
-    elif float(given) != float(clip_val):  # type: ignore[arg-type]
+        cfg["gradient_clipping"] = float(clip_val)
+    elif float(given) != float(clip_val):
         raise ConfigError(f"the config's gradient_clipping={given!r} disagrees with gradient_clip_val={clip_val}; "
                           f"keep one of them (or make them equal)")
 

@@ -32,7 +32,7 @@ from torch.optim import Optimizer
 
 from zerospeed.engine import Engine
 from zerospeed.integrations.lightning import CHECKPOINT_TAG, zero_config
-from zerospeed.integrations.lightning_config import ConfigSource, lightning_config
+from zerospeed.integrations.lightning_config import ConfigSource, export_rank_environment, lightning_config
 from zerospeed.integrations.lightning_precision import ZeroSpeedFabricPrecision, precision_flag
 
 __all__ = ["ZeroSpeedFabricStrategy", "ZeroSpeedFabricPrecision"]
@@ -61,7 +61,7 @@ class ZeroSpeedFabricStrategy(DDPStrategy):
         self.exclude_frozen_parameters = exclude_frozen_parameters
         self._engine: Engine | None = None
 
-    @property  # type: ignore[override]
+    @property
     def precision(self) -> ZeroSpeedFabricPrecision:
         plugin = self._precision
         return plugin if isinstance(plugin, ZeroSpeedFabricPrecision) else ZeroSpeedFabricPrecision()
@@ -71,6 +71,14 @@ class ZeroSpeedFabricStrategy(DDPStrategy):
         if plugin is not None and not isinstance(plugin, ZeroSpeedFabricPrecision):
             plugin = ZeroSpeedFabricPrecision(precision_flag(plugin, owner="ZeroSpeedFabricStrategy"))
         self._precision = plugin
+
+    def setup_distributed(self) -> None:
+        """DDP's process group, plus the rank variables ``zerospeed.initialize`` reads."""
+        super().setup_distributed()
+        assert self.cluster_environment is not None
+        export_rank_environment(rank=self.global_rank, world_size=self.world_size, local_rank=self.local_rank,
+                                main_address=self.cluster_environment.main_address,
+                                main_port=self.cluster_environment.main_port)
 
     @property
     def engine(self) -> Engine:
@@ -98,7 +106,7 @@ class ZeroSpeedFabricStrategy(DDPStrategy):
         engine, optimizer, engine_scheduler = self._initialize(module, optimizers[0], scheduler)
         return engine, [optimizer], engine_scheduler
 
-    def setup_module(self, module: Module) -> Module:
+    def setup_module(self, module: Module) -> Module:  # type: ignore[override]
         """An engine without optimizer (evaluation, or an optimizer from the config's section)."""
         engine, _, _ = self._initialize(module, None, None)
         return engine
