@@ -74,10 +74,13 @@ def main() -> None:
         accelerator="cpu", devices=args.devices, precision=args.precision, max_epochs=args.epochs,
         accumulate_grad_batches=args.accumulate, gradient_clip_val=1.0, logger=False,
         enable_checkpointing=False, limit_val_batches=4)
-    trainer.fit(Regression(), loader(2048, 0), loader(256, 1), ckpt_path=args.resume)
-    trainer.save_checkpoint(args.save)
+    model = Regression()
+    trainer.fit(model, loader(2048, 0), loader(256, 1), ckpt_path=args.resume)
+    train_loss = float(trainer.callback_metrics["train_loss"])
+    trainer.save_checkpoint(args.save)  # a directory: the engine's shards plus Lightning's state
+    (metrics,) = trainer.validate(model, loader(256, 1))  # evaluation only: an engine without optimizer
     if trainer.is_global_zero:
-        print(f"final train_loss {float(trainer.callback_metrics['train_loss']):.4f}, checkpoint in {args.save}")
+        print(f"final train_loss {train_loss:.4f}, val_loss {metrics['val_loss']:.4f}, checkpoint in {args.save}")
 
 
 if __name__ == "__main__":

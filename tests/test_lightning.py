@@ -8,6 +8,7 @@ accumulation + clipping, bf16, Fabric) and saves checkpoints, a second, new proc
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -94,6 +95,16 @@ def test_bf16_mixed_trains_close_to_fp32(losses: dict[int, dict[str, list[float]
 
 
 @pytest.mark.timeout(480)
+def test_fp16_mixed_trains(losses: dict[int, dict[str, list[float]]]) -> None:
+    """fp16 with dynamic loss scaling: the first steps overflow and are skipped (DeepSpeed's 2**16 start),
+    then training proceeds."""
+    for rank in (0, 1):
+        fp16 = losses[rank]["zs2_fp16"]
+        assert len(fp16) == 30 and all(math.isfinite(x) for x in fp16)
+        assert sum(fp16[-5:]) < sum(fp16[:5])
+
+
+@pytest.mark.timeout(480)
 @pytest.mark.parametrize("name", ["fabric_zs2", "fabric_zs3"])
 def test_fabric_matches_ddp(losses: dict[int, dict[str, list[float]]], name: str) -> None:
     for rank in (0, 1):
@@ -105,6 +116,19 @@ def test_fabric_matches_ddp(losses: dict[int, dict[str, list[float]]], name: str
 def test_fabric_save_load_resumes(losses: dict[int, dict[str, list[float]]]) -> None:
     for rank in (0, 1):
         _close(losses[rank]["fabric_zs3_resumed"], losses[rank]["fabric_zs3"][15:])
+
+
+@pytest.mark.timeout(240)
+def test_example_runs_with_lightnings_own_launcher(tmp_path: Path) -> None:
+    """examples/lightning_train.py as written: devices=2 started by Lightning itself (it re-runs the
+    script), ZeRO 3 with bf16 and accumulation, fit + save + validate."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, str(ROOT / "examples" / "lightning_train.py"), "--epochs", "1", "--precision",
+           "bf16-mixed", "--accumulate", "2"]
+    done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=200)
+    assert done.returncode == 0, done.stderr[-6000:]
+    assert "final train_loss" in done.stdout, done.stdout[-3000:]
+    assert (tmp_path / "lightning_zerospeed.ckpt" / "checkpoint").is_dir()
 
 
 # -- in-process: imports, registries, the config mapping and its refusals ------------------------------------

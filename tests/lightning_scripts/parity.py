@@ -23,7 +23,7 @@ from lightning.fabric import Fabric
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from zerospeed.integrations.lightning import ZeroSpeedStrategy
+from zerospeed.integrations.lightning import ZeroSpeedPrecision, ZeroSpeedStrategy
 from zerospeed.integrations.lightning_fabric import ZeroSpeedFabricStrategy
 
 warnings.filterwarnings("ignore")
@@ -147,6 +147,9 @@ def main() -> None:
         results["zs3_offload"] = trainer_run(ZeroSpeedStrategy(config=zero(
             3, offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"})))
         results["zs2_bf16"] = trainer_run("zerospeed", precision="bf16-mixed")
+        # Trainer(precision="16-mixed") on CPU becomes bf16 in Lightning's connector: fp16 goes by the plugin
+        results["zs2_fp16"] = trainer_run(ZeroSpeedStrategy(config=zero(2), precision_plugin=ZeroSpeedPrecision(
+            "16-mixed")))
         results["fabric_ddp"] = fabric_run("ddp")
         results["fabric_zs2"] = fabric_run(ZeroSpeedFabricStrategy(config=zero(2)))
         results["fabric_zs3"] = fabric_run(ZeroSpeedFabricStrategy(config=zero(3)), save=fabric_ckpt)
