@@ -209,3 +209,14 @@ def test_config_conflicts_are_refused(config: dict[str, Any], flags: dict[str, A
 def test_unknown_precision_names_the_choices() -> None:
     with pytest.raises(ValueError, match="'32-true', 'bf16-mixed', '16-mixed'"):
         lightning_config({}, precision="64-true")
+
+
+def test_a_device_mismatch_with_zerospeeds_accelerator_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    import zerospeed.accelerator as accel
+    from zerospeed.integrations.lightning_config import check_device
+
+    monkeypatch.setattr(accel, "get_accelerator", lambda: types.SimpleNamespace(device_type="cuda"))
+    with pytest.raises(RuntimeError, match="Lightning runs on 'cpu' but zerospeed's accelerator is 'cuda'"):
+        check_device("cpu", owner="ZeroSpeedStrategy")

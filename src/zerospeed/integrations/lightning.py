@@ -35,7 +35,8 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from zerospeed.engine import Engine
-from zerospeed.integrations.lightning_config import ConfigSource, export_rank_environment, lightning_config
+from zerospeed.integrations.lightning_config import (ConfigSource, check_device, export_rank_environment,
+                                                         lightning_config)
 from zerospeed.integrations.lightning_precision import ZeroSpeedPrecision, accumulates, precision_flag
 
 __all__ = ["ZeroSpeedStrategy", "ZeroSpeedPrecision"]
@@ -94,6 +95,7 @@ class ZeroSpeedStrategy(DDPStrategy):
         """DDP's process group, plus the rank variables ``zerospeed.initialize`` reads."""
         super().setup_distributed()
         assert self.cluster_environment is not None
+        check_device(self.root_device.type, owner="ZeroSpeedStrategy")
         export_rank_environment(rank=self.global_rank, world_size=self.world_size, local_rank=self.local_rank,
                                 main_address=self.cluster_environment.main_address,
                                 main_port=self.cluster_environment.main_port)

@@ -35,6 +35,17 @@ def export_rank_environment(*, rank: int, world_size: int, local_rank: int, main
                        "MASTER_ADDR": main_address, "MASTER_PORT": str(main_port)})
 
 
+def check_device(lightning_device: str, *, owner: str) -> None:
+    """Refuse a Lightning accelerator other than the one zerospeed picked (the engine moves the model there)."""
+    from zerospeed.accelerator import get_accelerator
+
+    ours = get_accelerator().device_type
+    if ours != lightning_device:
+        raise RuntimeError(f"{owner}: Lightning runs on {lightning_device!r} but zerospeed's accelerator is "
+                           f"{ours!r}; make them agree (accelerator={ours!r}, or ZEROSPEED_ACCELERATOR="
+                           f"{lightning_device} in the environment)")
+
+
 def check_precision(precision: str, *, owner: str = "ZeroSpeedStrategy") -> str:
     """``precision`` if the engine can honour it; a ValueError naming the supported flags otherwise."""
     if precision in PRECISION_SECTIONS:

@@ -32,7 +32,8 @@ from torch.optim import Optimizer
 
 from zerospeed.engine import Engine
 from zerospeed.integrations.lightning import CHECKPOINT_TAG, zero_config
-from zerospeed.integrations.lightning_config import ConfigSource, export_rank_environment, lightning_config
+from zerospeed.integrations.lightning_config import (ConfigSource, check_device, export_rank_environment,
+                                                         lightning_config)
 from zerospeed.integrations.lightning_precision import ZeroSpeedFabricPrecision, precision_flag
 
 __all__ = ["ZeroSpeedFabricStrategy", "ZeroSpeedFabricPrecision"]
@@ -72,10 +73,11 @@ class ZeroSpeedFabricStrategy(DDPStrategy):
             plugin = ZeroSpeedFabricPrecision(precision_flag(plugin, owner="ZeroSpeedFabricStrategy"))
         self._precision = plugin
 
-    def setup_distributed(self) -> None:
+    def setup_environment(self) -> None:
         """DDP's process group, plus the rank variables ``zerospeed.initialize`` reads."""
-        super().setup_distributed()
+        super().setup_environment()
         assert self.cluster_environment is not None
+        check_device(self.root_device.type, owner="ZeroSpeedFabricStrategy")
         export_rank_environment(rank=self.global_rank, world_size=self.world_size, local_rank=self.local_rank,
                                 main_address=self.cluster_environment.main_address,
                                 main_port=self.cluster_environment.main_port)
