@@ -89,6 +89,13 @@ def test_trainer_resumes_from_engine_checkpoint(losses: dict[int, dict[str, list
 
 
 @pytest.mark.timeout(480)
+def test_the_configs_optimizer_section_when_configure_optimizers_is_absent(
+        losses: dict[int, dict[str, list[float]]]) -> None:
+    for rank in (0, 1):
+        _close(losses[rank]["zs2_config_optimizer"], losses[rank]["ddp_const_lr"])
+
+
+@pytest.mark.timeout(480)
 def test_bf16_mixed_trains_close_to_fp32(losses: dict[int, dict[str, list[float]]]) -> None:
     for rank in (0, 1):
         _close(losses[rank]["zs2_bf16"], losses[rank]["ddp"], tol=0.05)

@@ -48,7 +48,9 @@ def optimizer_and_scheduler(params: Any) -> tuple[torch.optim.Optimizer, Any]:
     return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.7)
 
 
-class Regression(pl.LightningModule):
+class RegressionWithoutOptimizer(pl.LightningModule):
+    """configure_optimizers returns None: the optimizer comes from the config's section."""
+
     def __init__(self) -> None:
         super().__init__()
         self.net = net()
@@ -61,12 +63,22 @@ class Regression(pl.LightningModule):
         return loss
 
     def configure_optimizers(self) -> Any:
-        opt, sched = optimizer_and_scheduler(self.parameters())
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        return None
 
     def train_dataloader(self) -> DataLoader:
         x, y = data(self.trainer.global_rank)
         return DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False)
+
+
+class Regression(RegressionWithoutOptimizer):
+    def configure_optimizers(self) -> Any:
+        opt, sched = optimizer_and_scheduler(self.parameters())
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class RegressionConstantLR(RegressionWithoutOptimizer):
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
 
 
 class SaveAtEpochEnd(pl.Callback):
@@ -79,8 +91,9 @@ class SaveAtEpochEnd(pl.Callback):
 
 
 def trainer_run(strategy: Any, *, epochs: int = 2, ckpt_path: str | None = None,
-                callbacks: list[pl.Callback] | None = None, **flags: Any) -> list[float]:
-    module = Regression()
+                callbacks: list[pl.Callback] | None = None, module_class: type = Regression,
+                **flags: Any) -> list[float]:
+    module = module_class()
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=epochs, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          use_distributed_sampler=False, callbacks=callbacks, **flags)
@@ -150,6 +163,10 @@ def main() -> None:
         # Trainer(precision="16-mixed") on CPU becomes bf16 in Lightning's connector: fp16 goes by the plugin
         results["zs2_fp16"] = trainer_run(ZeroSpeedStrategy(config=zero(2), precision_plugin=ZeroSpeedPrecision(
             "16-mixed")))
+        results["ddp_const_lr"] = trainer_run("ddp", module_class=RegressionConstantLR)
+        section = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}, **zero(2)}
+        results["zs2_config_optimizer"] = trainer_run(ZeroSpeedStrategy(config=section),
+                                                      module_class=RegressionWithoutOptimizer)
         results["fabric_ddp"] = fabric_run("ddp")
         results["fabric_zs2"] = fabric_run(ZeroSpeedFabricStrategy(config=zero(2)))
         results["fabric_zs3"] = fabric_run(ZeroSpeedFabricStrategy(config=zero(3)), save=fabric_ckpt)

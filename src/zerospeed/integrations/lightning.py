@@ -26,6 +26,7 @@ from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -150,7 +151,9 @@ class ZeroSpeedStrategy(DDPStrategy):
                              f"configure_optimizers returned {len(self.optimizers)} optimizers and "
                              f"{len(self.lr_scheduler_configs)} schedulers: combine them into one optimizer "
                              f"with parameter groups")
-        optimizer = self.optimizers[0] if self.optimizers else None
+        # configure_optimizers returning None gives Lightning's placeholder: the config's section then applies
+        optimizer = self.optimizers[0] if self.optimizers and not isinstance(self.optimizers[0], _MockOptimizer) \
+            else None
         return optimizer, self.lr_scheduler_configs[0] if self.lr_scheduler_configs else None
 
     def _build_engine(self, optimizer: Optimizer | None, scheduler_config: LRSchedulerConfig | None) -> None:
