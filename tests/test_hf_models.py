@@ -300,3 +300,101 @@ def test_from_pretrained_under_stage3_loads_exact_weights(kind: str, tmp_path_fa
         result = result[HF_WAY]
         assert result["loaded_partitioned"], f"rank {rank}: from_pretrained did not partition under ZeRO-3"
         assert result["loaded_keys"] > 0 and result["mismatched"] == [], f"rank {rank}: {result['mismatched']}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# The DeepSpeed names transformers and accelerate reach for (no ranks needed)
+
+
+class _Experts(torch.nn.Module):
+    """A mixture of experts whose experts run in a data-dependent order (what leaf modules are for)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(self.experts[int(i)](x) for i in torch.randperm(3))  # type: ignore[return-value]
+
+
+class _MoeModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(4, 4)
+        self.moe = _Experts()
+
+
+def test_z3_leaf_modules_gather_their_subtree_on_entry() -> None:
+    from zerospeed.utils import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module
+    from zerospeed.zero.layout import build_units, module_users
+
+    model = _MoeModel()
+    units = build_units(model, bucket_elems=10**6, unit_classes=())
+    before = module_users(model, units)
+    assert "moe" not in before and {"moe.experts.0", "moe.experts.1", "moe.experts.2"} <= set(before)
+    assert set_z3_leaf_modules(model, ["_Experts"]) == [model.moe] and z3_leaf_module(model.moe)
+    after = module_users(model, units)
+    assert not any(path.startswith("moe.") for path in after)  # no hooks inside the leaf
+    assert sorted(after["moe"]) == sorted({i for path, ids in before.items() if path.startswith("moe.") for i in ids})
+    assert get_z3_leaf_modules(model) == [model.moe]
+    unset_z3_leaf_modules(model, [_Experts])
+    assert get_z3_leaf_modules(model) == [] and module_users(model, units) == before
+    with pytest.raises(ValueError, match="no module of these classes"):
+        set_z3_leaf_modules(model, ["NoSuchBlock"])
+
+
+def test_partition_parameters_names_transformers_uses() -> None:
+    from zerospeed.runtime.zero import partition_parameters as pp
+
+    assert pp._orig_torch_arange is torch.arange
+    wrapped = pp.zero_wrapper_for_fp_tensor_constructor(torch.zeros, torch.bfloat16, torch.device("cpu"))
+    assert wrapped(3).dtype == torch.bfloat16 and wrapped(3, dtype=torch.long).dtype == torch.long
+    assert pp.ZeroParamStatus.NOT_AVAILABLE.value == 2
+
+
+def test_zero_parameter_attributes_follow_the_owner() -> None:
+    import copy
+
+    from zerospeed.zero.ds_param import Partitioned, ZeroParameter, ZeroParamStatus
+    from zerospeed.zero.owner import clear_owner, set_owner
+
+    class Half(Partitioned):  # a stand-in owner: rank 0 of 2 holds the first half of a 3x5 parameter
+        ds_id, shape, whole = 7, (3, 5), False
+
+        @property
+        def status(self) -> ZeroParamStatus:
+            return ZeroParamStatus.AVAILABLE if self.whole else ZeroParamStatus.NOT_AVAILABLE
+
+        @property
+        def persistent(self) -> bool:
+            return False
+
+        def partition_numel(self) -> int:
+            return 8
+
+        def padding_size(self) -> int:
+            return 1
+
+        def partition_tensor(self) -> torch.Tensor:
+            return torch.zeros(8)
+
+        def make_available(self) -> None:
+            self.whole = True
+
+        def repartition(self) -> None:
+            self.whole = False
+
+    layer = torch.nn.Linear(5, 3)
+    param = layer.weight
+    set_owner(param, Half())
+    assert type(param) is ZeroParameter and isinstance(param, torch.nn.Parameter)
+    assert (param.ds_numel, tuple(param.ds_shape), param.ds_id, param.partition_numel()) == (15, (3, 5), 7, 8)
+    assert (param.padding_size(), param.aligned_size(), param.ds_tensor.ds_numel) == (1, 16, 8)
+    assert param.ds_status is ZeroParamStatus.NOT_AVAILABLE
+    param.all_gather()
+    assert param.ds_status is ZeroParamStatus.AVAILABLE
+    param.partition()
+    assert param.ds_summary()["status"] == "NOT_AVAILABLE"
+    assert not hasattr(copy.deepcopy(layer).weight, "ds_numel")  # a copy holds no ZeRO state
+    clear_owner(param)
+    assert type(param) is torch.nn.Parameter and not hasattr(param, "ds_numel")
