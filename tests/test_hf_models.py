@@ -31,7 +31,7 @@ pytest.importorskip("transformers")
 from zerospeed.testing import run_distributed  # noqa: E402
 from zerospeed.testing.configs import QUIET_STEPS_PER_PRINT  # noqa: E402
 from zerospeed.testing.data import micro_batch_rows  # noqa: E402
-from zerospeed.testing.hf_models import (LossOf, lm_batch, tiny_causal_lm, tiny_gpt2_config,  # noqa: E402
+from zerospeed.testing.hf_models import (VOCAB, LossOf, lm_batch, tiny_causal_lm, tiny_gpt2_config,  # noqa: E402
                                          tiny_llama_config, token_rows)
 from zerospeed.testing.reference import train_reference  # noqa: E402
 
@@ -172,9 +172,25 @@ def _hf_way(kind: str, saved: str) -> dict[str, Any]:
         state = loaded.state_dict()
         mismatched = [k for k, v in expected.items() if not torch.equal(state[k], v)]
     loaded_partitioned = all(p.numel() == 0 for p in loaded.parameters())
+    # adding tokens: transformers v5 builds the new embedding whole (not under zero.Init: its shape is read
+    # elsewhere) and copies the old rows in while they are gathered; initialize partitions it later
+    resized = loaded.resize_token_embeddings(VOCAB + 3)
+    with deepspeed.zero.GatheredParameters(list(loaded.parameters())):
+        rows_kept = torch.equal(resized.weight[:VOCAB], expected[next(k for k in expected if "embed" in k or "wte" in k)])
+        resized_shape = tuple(resized.weight.shape)
+        resized_finite = bool(torch.isfinite(resized.weight).all())
+    resize = {"shape": resized_shape, "kept": rows_kept, "finite": resized_finite, "partitioned": hasattr(resized.weight, "ds_numel"),
+              "tied": _tied(loaded)}
+    del hf_config
+    # bf16 configured: zero.Init makes the parameters bf16, buffers (RoPE's inv_freq) keep their dtype
+    hf_config = HfDeepSpeedConfig(_config(3, "bf16"))
+    half = AutoModelForCausalLM.from_config(tiny_gpt2_config() if kind == "gpt2" else tiny_llama_config())
+    bf16 = {"params": sorted({str(p.ds_tensor.dtype) for p in half.parameters()}),
+            "buffers": sorted({str(b.dtype) for b in half.buffers() if b.is_floating_point()})}
     del hf_config
     return {"built": built, "initial": initial, "losses": losses, "tokens": tokens, "weights": weights, "tied": tied,
-            "loaded_keys": len(expected), "mismatched": mismatched, "loaded_partitioned": loaded_partitioned}
+            "loaded_keys": len(expected), "mismatched": mismatched, "loaded_partitioned": loaded_partitioned,
+            "resize": resize, "bf16": bf16}
 
 
 def _run_all(kind: str, saved: str) -> dict[str, Any]:
@@ -300,6 +316,22 @@ def test_from_pretrained_under_stage3_loads_exact_weights(kind: str, tmp_path_fa
         result = result[HF_WAY]
         assert result["loaded_partitioned"], f"rank {rank}: from_pretrained did not partition under ZeRO-3"
         assert result["loaded_keys"] > 0 and result["mismatched"] == [], f"rank {rank}: {result['mismatched']}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_from_config_with_bf16_keeps_float_buffers(kind: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    for result in _results(kind, tmp_path_factory):
+        bf16 = result[HF_WAY]["bf16"]
+        assert bf16["params"] == ["torch.bfloat16"]
+        assert bf16["buffers"] == ([] if kind == "gpt2" else ["torch.float32"])  # RoPE frequencies stay fp32
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_resize_token_embeddings_under_stage3(kind: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    for rank, result in enumerate(_results(kind, tmp_path_factory)):
+        resize = result[HF_WAY]["resize"]
+        assert resize["shape"] == (VOCAB + 3, 32) and not resize["partitioned"], (rank, resize)
+        assert resize["kept"] and resize["finite"] and resize["tied"] == (kind == "gpt2"), (rank, resize)
 
 
 # ---------------------------------------------------------------------------------------------------
