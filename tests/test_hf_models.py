@@ -208,6 +208,8 @@ def _run_all(kind: str, saved: str) -> dict[str, Any]:
         except Exception as exc:
             raise AssertionError(f"{kind} case {name!r} failed on rank {torch.distributed.get_rank()}") from exc
     results[HF_WAY] = _hf_way(kind, saved)
+    if kind == KINDS[0]:
+        results["leaf moe"] = _train_leaf_moe()
     return results
 
 
@@ -346,7 +348,8 @@ class _Experts(torch.nn.Module):
         self.experts = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return sum(self.experts[int(i)](x) for i in torch.randperm(3))  # type: ignore[return-value]
+        chosen = torch.randperm(3)[:2]  # two experts, a different pair on each rank
+        return self.experts[int(chosen[0])](x) + self.experts[int(chosen[1])](x)
 
 
 class _MoeModel(torch.nn.Module):
@@ -354,6 +357,31 @@ class _MoeModel(torch.nn.Module):
         super().__init__()
         self.inp = torch.nn.Linear(4, 4)
         self.moe = _Experts()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.moe(torch.relu(self.inp(x))).sum(-1)
+
+
+def _train_leaf_moe() -> dict[str, Any]:
+    """Stage 3 with the experts' block marked a leaf: ranks use different experts, and without the mark
+    their gathers would not line up (a hang, in DeepSpeed too)."""
+    import zerospeed
+    from zerospeed.utils import set_z3_leaf_modules
+
+    torch.manual_seed(0)
+    model = _MoeModel()
+    set_z3_leaf_modules(model, [_Experts])
+    engine, *_ = zerospeed.initialize(model=model, config=_config(3))
+    torch.manual_seed(1 + torch.distributed.get_rank())
+    losses = []
+    for _ in range(3):
+        x = torch.randn(MICRO, 4)
+        loss = torch.nn.functional.mse_loss(engine(x), x.sum(-1))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    hooked = sorted(name for name, m in engine.module.named_modules() if m._forward_pre_hooks)
+    return {"losses": losses, "hooked": hooked}
 
 
 def test_z3_leaf_modules_gather_their_subtree_on_entry() -> None:
@@ -373,6 +401,13 @@ def test_z3_leaf_modules_gather_their_subtree_on_entry() -> None:
     assert get_z3_leaf_modules(model) == [] and module_users(model, units) == before
     with pytest.raises(ValueError, match="no module of these classes"):
         set_z3_leaf_modules(model, ["NoSuchBlock"])
+
+
+def test_leaf_module_with_rank_dependent_experts_trains_at_stage3(tmp_path_factory: pytest.TempPathFactory) -> None:
+    for rank, result in enumerate(_results(KINDS[0], tmp_path_factory)):
+        leaf = result["leaf moe"]
+        assert all(math.isfinite(x) for x in leaf["losses"]), (rank, leaf)
+        assert leaf["hooked"] == ["", "inp", "moe"], (rank, leaf)  # nothing inside the leaf is hooked
 
 
 def test_partition_parameters_names_transformers_uses() -> None:
