@@ -59,6 +59,25 @@ def token_rows(n: int, *, seed: int = 0, seq: int = SEQ) -> torch.Tensor:
     return rows
 
 
+def lm_batch(ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The keyword arguments of a causal-LM training forward on token rows ``ids`` (labels = inputs:
+    the model shifts them itself)."""
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+
+class LossOf(torch.nn.Module):
+    """``model(**lm_batch(ids)).loss`` as a one-argument module, so a plain single-process reference
+    loop (``zerospeed.testing.reference.train_reference``, which calls ``model(inputs)``) trains an HF
+    model exactly as an engine does through ``engine(**lm_batch(ids))``."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(**lm_batch(ids)).loss
+
+
 class TokenDataset(torch.utils.data.Dataset):
     """Rows of :func:`token_rows` as HF causal-LM examples: ``input_ids``, ``attention_mask``, ``labels``."""
 
@@ -73,4 +92,4 @@ class TokenDataset(torch.utils.data.Dataset):
         return {"input_ids": row, "attention_mask": torch.ones_like(row), "labels": row.clone()}
 
 
-__all__ = ["SEQ", "VOCAB", "TokenDataset", "tiny_causal_lm", "tiny_gpt2_config", "tiny_llama_config", "token_rows"]
+__all__ = ["SEQ", "VOCAB", "LossOf", "TokenDataset", "lm_batch", "tiny_causal_lm", "tiny_gpt2_config", "tiny_llama_config", "token_rows"]

@@ -13,6 +13,9 @@ import torch
 from zerospeed._lazy_submodules import submodule_getattr
 from zerospeed.data.loader import RepeatingLoader
 from zerospeed.utils.logging import log_dist, logger
+from zerospeed.utils.z3_leaf_module import (get_z3_leaf_modules, set_z3_leaf_module, set_z3_leaf_modules,
+                                            set_z3_leaf_modules_by_name, set_z3_leaf_modules_by_suffix,
+                                            unset_z3_leaf_modules, z3_leaf_module, z3_leaf_parameter)
 from zerospeed.zero.owner import engine_owner as _owner
 
 
@@ -49,5 +52,7 @@ def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: st
 # ``deepspeed.utils.zero_to_fp32`` and the like, reached as attributes
 __getattr__ = submodule_getattr(__name__)
 
-__all__ = ["RepeatingLoader", "log_dist", "logger", "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
+__all__ = ["RepeatingLoader", "get_z3_leaf_modules", "log_dist", "logger", "set_z3_leaf_module",
+           "set_z3_leaf_modules", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix",
+           "unset_z3_leaf_modules", "z3_leaf_module", "z3_leaf_parameter", "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
            "safe_set_full_fp32_param"]

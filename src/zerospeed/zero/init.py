@@ -28,6 +28,7 @@ from zerospeed.distributed.comm import Comm
 from zerospeed.distributed.groups import is_initialized
 from zerospeed.distributed.mesh import Mesh
 from zerospeed.offload import remote_device_tier
+from zerospeed.zero.ds_param import ZeroParamStatus
 from zerospeed.zero.flat_param import FlatParamUnit
 from zerospeed.zero.owner import InitOwner, engine_owner, init_partition, owner_of, set_owner
 
@@ -38,8 +39,9 @@ if TYPE_CHECKING:
 class InitPartition(InitOwner):
     """One parameter partitioned by ``zero.Init``: this rank's even slice and the full shape."""
 
-    def __init__(self, param: nn.Parameter, comm: Comm, stash: "NvmeStash | None" = None):
+    def __init__(self, param: nn.Parameter, comm: Comm, stash: "NvmeStash | None" = None, ds_id: int = 0):
         self.param = param
+        self.ds_id = ds_id
         self.comm = comm
         self.shape = tuple(param.shape)
         self.numel = param.numel()
@@ -97,6 +99,30 @@ class InitPartition(InitOwner):
     def tensors(self) -> list[torch.Tensor]:
         return [self.shard]
 
+    # -- DeepSpeed's parameter attributes (zerospeed.zero.ds_param) ----------------------------
+    @property
+    def status(self) -> ZeroParamStatus:
+        return ZeroParamStatus.AVAILABLE if self._gathered is not None else ZeroParamStatus.NOT_AVAILABLE
+
+    @property
+    def persistent(self) -> bool:
+        return False  # zero.Init partitions every parameter
+
+    def partition_numel(self) -> int:
+        return self.width
+
+    def padding_size(self) -> int:
+        return self.width * self.comm.world_size - self.numel
+
+    def partition_tensor(self) -> torch.Tensor:
+        return self.shard
+
+    def make_available(self) -> None:
+        self.gather()
+
+    def repartition(self) -> None:
+        self.release(None)
+
 
 def _all_module_classes() -> list[type]:
     seen, todo = [], [nn.Module]
@@ -147,6 +173,7 @@ class Init(contextlib.ContextDecorator):
         self._stash: NvmeStash | None = None
         self._comm = comm if comm is not None else (mesh.dp if mesh is not None else None)
         self._patched: list[tuple[type, Any]] = []
+        self._next_id = 0  # ds_id of the next parameter partitioned here (DeepSpeed: construction order)
         if module is not None and enabled:  # DeepSpeed's Init(module=...) partitions an existing model
             for sub in module.modules():
                 self._partition(sub)
@@ -198,7 +225,8 @@ class Init(contextlib.ContextDecorator):
             if self._remote is not None and self._stash is None and param.device.type == "cpu":
                 self._stash = NvmeStash(self._remote, self.comm)
             stash = self._stash if param.device.type == "cpu" else None
-            set_owner(param, InitPartition(param, self.comm, stash))
+            set_owner(param, InitPartition(param, self.comm, stash, ds_id=self._next_id))
+            self._next_id += 1
 
 
 def _most_derived_init(module: nn.Module) -> type:

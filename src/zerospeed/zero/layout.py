@@ -112,6 +112,8 @@ def module_users(model: nn.Module, units: list[UnitSpec],
     A block (or the root) gathers its whole unit; any other module gathers the unit of every
     parameter it holds directly (also a tied parameter held under a second name), or declared to
     use (``external``: ``id(module) -> params``), unless that unit belongs to a block around it.
+    A ZeRO-3 leaf module (``deepspeed.utils.set_z3_leaf_modules``: e.g. a mixture of experts, whose
+    children run in a data-dependent order) gathers everything its subtree needs on entry instead.
     """
     unit_of_param = {id(p): i for i, unit in enumerate(units) for p in unit.params}
     users: dict[str, list[int]] = {}
@@ -129,4 +131,9 @@ def module_users(model: nn.Module, units: list[UnitSpec],
             inside_owner = owner is not None and (owner == "" or path == owner or path.startswith(owner + "."))
             if not inside_owner and index not in users.setdefault(path, []):
                 users[path].append(index)
+    leaves = [path for path, module in model.named_modules() if getattr(module, "_z3_leaf", False)]
+    for leaf in leaves:
+        inside = [path for path in users if path == leaf or path.startswith(leaf + ".") or leaf == ""]
+        folded = [i for path in inside for i in users.pop(path)]
+        users[leaf] = list(dict.fromkeys(folded))  # a leaf inside a leaf: empty
     return {path: ids for path, ids in users.items() if ids}

@@ -7,17 +7,16 @@ yet). Everything about a parameter lives in its owner, never on the parameter it
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from typing import Union
 
 import torch
 
 from zerospeed.zero.contract import ParamOwner
+from zerospeed.zero.ds_param import OWNER, Partitioned, mark_partitioned, unmark_partitioned
 
-OWNER = "_zerospeed_owner"
 
-
-class InitOwner(ABC):
+class InitOwner(Partitioned):
     """A parameter ``zero.Init`` partitioned before any engine took it (``zero.init.InitPartition``)."""
 
     shape: tuple[int, ...]  # the full shape (the parameter's data is empty while partitioned)
@@ -56,12 +55,19 @@ def init_partition(param: torch.Tensor) -> InitOwner | None:
 
 
 def set_owner(param: torch.Tensor, owner: AnyOwner) -> None:
+    """Record ``owner``; a ZeRO-3 partitioned owner also gives the parameter DeepSpeed's ``ds_*``
+    attributes (``zerospeed.zero.ds_param``), any other takes them away."""
     setattr(param, OWNER, owner)
+    if isinstance(owner, Partitioned):
+        mark_partitioned(param)
+    else:
+        unmark_partitioned(param)
 
 
 def clear_owner(param: torch.Tensor) -> None:
     if getattr(param, OWNER, None) is not None:
         delattr(param, OWNER)
+    unmark_partitioned(param)
 
 
 __all__ = ["OWNER", "AnyOwner", "InitOwner", "clear_owner", "engine_owner", "init_partition", "owner_of",

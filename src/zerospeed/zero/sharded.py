@@ -20,10 +20,11 @@ from torch import nn
 from zerospeed.config.policies import ZeroPolicy
 from zerospeed.distributed.comm import Comm
 from zerospeed.offload import MemoryStorage, StateStore, SwappedSlabs, TierStorage, itemsize
-from zerospeed.sharding.plan import ShardPlan
+from zerospeed.sharding.plan import Piece, ShardPlan
 from zerospeed.sharding.slots import ParamInfo, Slot
 from zerospeed.zero.contract import CheckpointGroups, ParamOwner
-from zerospeed.zero.flat_param import FlatParamUnit, shape_of
+from zerospeed.zero.ds_param import Partitioned, ZeroParamStatus
+from zerospeed.zero.flat_param import FlatParamUnit, UnitPhase, shape_of
 from zerospeed.zero.owner import clear_owner, set_owner
 from zerospeed.zero.grads import ReductionPolicy
 from zerospeed.zero.layout import MIN_UNIT_ELEMS, UnitSpec, build_units, module_users
@@ -97,11 +98,14 @@ class ShardedState:
                                     max_reuse_distance=zero_cfg.max_reuse_distance,
                                     overlap=overlap)
             self.coordinator = ParamCoordinator(model, self.units, module_users(model, specs, external), policy)
+        ds_id = 0
         for u, unit in enumerate(self.units):
             unit.bind_master(self.zero_optimizer.masters[u],
                              resident=functools.partial(self.resident_state, [u], write_back=True))
             for i, p in enumerate(unit.params):
-                set_owner(p, UnitParamRef(self, u, i))
+                # stage 3 partitions: the parameter answers DeepSpeed's ds_* attributes (zero.ds_param)
+                set_owner(p, Zero3ParamRef(self, u, i, ds_id) if stage == 3 else UnitParamRef(self, u, i))
+                ds_id += 1
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -442,4 +446,48 @@ class UnitParamRef(ParamOwner):
         self.state.set_full_fp32(self.unit_index, self.index, value)
 
 
-__all__ = ["ShardedState", "UnitParamRef", "UnitSpec"]
+class Zero3ParamRef(UnitParamRef, Partitioned):
+    """A stage-3 parameter's back-reference, which also answers DeepSpeed's ZeRO-3 attributes: the
+    parameter's part of this rank's unit shard is its partition (units pack parameters, so no
+    parameter has padding of its own: ``padding_size()`` is 0)."""
+
+    def __init__(self, state: ShardedState, unit_index: int, index: int, ds_id: int):
+        super().__init__(state, unit_index, index)
+        self.ds_id = ds_id
+        self.shape = self.unit.plan.params[index].shape
+
+    @property
+    def status(self) -> ZeroParamStatus:
+        phase = self.unit.phase
+        if phase is UnitPhase.GATHERED:
+            return ZeroParamStatus.AVAILABLE
+        return ZeroParamStatus.NOT_AVAILABLE if phase is UnitPhase.RELEASED else ZeroParamStatus.INFLIGHT
+
+    @property
+    def persistent(self) -> bool:
+        return self.unit.persistent
+
+    def _piece(self) -> Piece | None:
+        unit = self.unit
+        name = unit.plan.params[self.index].name
+        return next((pc for pc in unit.plan.pieces(unit.comm.rank) if pc.param == name), None)
+
+    def partition_numel(self) -> int:
+        piece = self._piece()
+        return piece.numel if piece is not None else 0
+
+    def padding_size(self) -> int:
+        return 0
+
+    def partition_tensor(self) -> torch.Tensor:
+        piece, shard = self._piece(), self.unit.shard
+        return shard[piece.shard_offset: piece.shard_offset + piece.numel] if piece is not None else shard[:0]
+
+    def make_available(self) -> None:
+        self.unit.gather()
+
+    def repartition(self) -> None:
+        self.unit.release()
+
+
+__all__ = ["ShardedState", "UnitParamRef", "UnitSpec", "Zero3ParamRef"]
