@@ -67,12 +67,13 @@ class Losses(TrainerCallback):
             self.losses[state.global_step] = logs["loss"]
 
 
-def train(kind, ds, run_dir, max_steps, resume=None):
-    # The model is built before TrainingArguments(deepspeed=...) registers its config, so a ZeRO-3 config
-    # does not route from_config through deepspeed.zero.Init: the engine partitions the whole model (the
-    # previous run's registration is dropped first; building under zero.Init is the ZeRO-3 engineer's part).
+def train(kind, ds, run_dir, max_steps, resume=None, model_after_args=False):
+    # Built before TrainingArguments(deepspeed=...) registers its config, the model is whole and the engine
+    # partitions it; built after (model_after_args, the usual order in HF scripts), a ZeRO-3 config makes
+    # from_config construct it under deepspeed.zero.Init, partitioned as it is made. The previous run's
+    # registration is dropped first.
     unset_hf_deepspeed_config()
-    model = tiny_causal_lm(kind, seed=0)
+    model = None if model_after_args else tiny_causal_lm(kind, seed=0)
     # warmup_steps=0 keeps the plain scheduler (linear decay) and DeepSpeed's WarmupLR comparable: both
     # are constant here because lr_scheduler_type="constant".
     args = TrainingArguments(output_dir=run_dir, max_steps=max_steps, per_device_train_batch_size=4,
@@ -81,6 +82,9 @@ def train(kind, ds, run_dir, max_steps, resume=None):
                              save_strategy="steps", report_to=[], seed=0, data_seed=0, deepspeed=ds,
                              dataloader_num_workers=0, disable_tqdm=True, max_grad_norm=1.0,
                              save_only_model=False, use_cpu=ds is None)  # plain run: DDP over gloo
+    if model is None:
+        model = tiny_causal_lm(kind, seed=0)
+        assert hasattr(next(model.parameters()), "ds_numel"), "from_config did not build under zero.Init"
     cb = Losses()
     trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(512, seed=1), callbacks=[cb])
     trainer.train(resume_from_checkpoint=resume)
@@ -93,15 +97,17 @@ def main():
     for kind in KINDS:
         # A configuration written "kind/name" runs for that model only.
         for name in [c.split("/")[-1] for c in CONFIGS if "/" not in c or c.startswith(kind + "/")]:
-            ds = {"ddp": None, "z2": ZERO2, "z3": ZERO3, "z3off": ZERO3_OFFLOAD,
+            ds = {"ddp": None, "z2": ZERO2, "z3": ZERO3, "z3init": ZERO3, "z3off": ZERO3_OFFLOAD,
                   "z2torch": ZERO2_TRAINER_OPTIM}[name.split("-")[0]]
+            after = name.startswith("z3init")
             run_dir = os.path.join(OUT, f"{kind}-{name}")
             if name.endswith("-resume"):
-                first = train(kind, ds, run_dir, 15)
-                second = train(kind, ds, run_dir, STEPS, resume=os.path.join(run_dir, "checkpoint-15"))
+                first = train(kind, ds, run_dir, 15, model_after_args=after)
+                second = train(kind, ds, run_dir, STEPS, resume=os.path.join(run_dir, "checkpoint-15"),
+                               model_after_args=after)
                 curves[f"{kind}-{name}"] = {**first, **second}
             else:
-                curves[f"{kind}-{name}"] = train(kind, ds, run_dir, STEPS)
+                curves[f"{kind}-{name}"] = train(kind, ds, run_dir, STEPS, model_after_args=after)
             if rank == 0:
                 print(name, kind, curves[f"{kind}-{name}"], flush=True)
     if rank == 0:

@@ -18,6 +18,7 @@ become every rank's shards (and fp32 masters). Every rank must enter it with the
 from __future__ import annotations
 
 import contextlib
+import os
 import weakref
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 
 from zerospeed.distributed.comm import Comm
-from zerospeed.distributed.groups import is_initialized
+from zerospeed.distributed.groups import group_size, is_initialized
 from zerospeed.distributed.mesh import Mesh
 from zerospeed.offload import remote_device_tier
 from zerospeed.zero.ds_param import ZeroParamStatus
@@ -167,16 +168,23 @@ class Init(contextlib.ContextDecorator):
             raise ValueError("zero.Init(comm=..., mesh=...): comm must be the mesh's data-parallel Comm "
                              "(mesh.dp); pass one of them")
         self.enabled = enabled
-        cfg = _load(config if config is not None else config_dict_or_path)
+        self._comm = comm if comm is not None else (mesh.dp if mesh is not None else None)
+        cfg = _load(config if config is not None else config_dict_or_path, self._data_parallel_size())
         self.dtype = dtype if dtype is not None else _dtype_from(cfg)
         self._remote = remote_device_tier(cfg, remote_device)  # the NVMe tier partitions go to, or None
         self._stash: NvmeStash | None = None
-        self._comm = comm if comm is not None else (mesh.dp if mesh is not None else None)
         self._patched: list[tuple[type, Any]] = []
         self._next_id = 0  # ds_id of the next parameter partitioned here (DeepSpeed: construction order)
         if module is not None and enabled:  # DeepSpeed's Init(module=...) partitions an existing model
             for sub in module.modules():
                 self._partition(sub)
+
+    def _data_parallel_size(self) -> int:
+        """The size the config's batch arithmetic is checked against (a config filled in for the whole
+        job, e.g. by the HF Trainer, names the global batch): the group given, else the whole job."""
+        if self._comm is not None:
+            return self._comm.world_size
+        return group_size() if is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
 
     @property
     def comm(self) -> Comm:
@@ -235,12 +243,12 @@ def _most_derived_init(module: nn.Module) -> type:
     return next(c for c in type(module).__mro__ if "__init__" in c.__dict__)
 
 
-def _load(config: Any) -> Any:
+def _load(config: Any, world_size: int) -> Any:
     if config is None:
         return None
     from zerospeed.config import Config, load_config
 
-    return config if isinstance(config, Config) else load_config(config)
+    return config if isinstance(config, Config) else load_config(config, world_size=world_size)
 
 
 def _dtype_from(cfg: Any) -> torch.dtype | None:
