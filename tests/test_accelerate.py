@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "hf_scripts" / "accelerate_runs.py"
 KINDS = ("gpt2", "llama")
 CONFIGS = ("ddp", "z2", "z3")
+RESUMED = ("z2-resume", "z3-resume")  # stopped half way (accelerator.save_state), resumed (load_state)
 TOL = 1e-5
 
 
@@ -50,7 +51,7 @@ def curves(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[float]]:
     out = tmp_path_factory.mktemp("accelerate")
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-         str(SCRIPT), str(out), ",".join(KINDS), ",".join(CONFIGS)],
+         str(SCRIPT), str(out), ",".join(KINDS), ",".join(CONFIGS + RESUMED)],
         cwd=out, capture_output=True, text=True, env=_alias_env(), timeout=280)
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
     with open(out / "curves.json") as f:
@@ -66,6 +67,16 @@ def test_accelerate_deepspeed_matches_plain_loop(curves: dict[str, list[float]],
     worst = max(abs(a - b) for a, b in zip(got, plain))
     assert worst <= TOL, f"{kind} {config}: loss differs from the plain loop by {worst:g}\n{got}\n{plain}"
     assert plain[-1] < plain[0] - 0.3, "the tiny model should learn within 12 steps"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("config", RESUMED)
+def test_accelerate_save_and_load_state_resume_identically(curves: dict[str, list[float]], kind: str,
+                                                           config: str) -> None:
+    whole, resumed = curves[f"{kind}-{config.removesuffix('-resume')}"], curves[f"{kind}-{config}"]
+    assert len(resumed) == len(whole), (whole, resumed)
+    worst = max(abs(a - b) for a, b in zip(whole, resumed))
+    assert worst <= TOL, f"{kind} {config}: the resumed run differs by {worst:g}\n{whole}\n{resumed}"
 
 
 def test_accelerate_sees_deepspeed_after_install() -> None:

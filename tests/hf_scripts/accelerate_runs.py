@@ -1,7 +1,8 @@
 """A plain Accelerate training loop run under ``ZEROSPEED_AS_DEEPSPEED=1`` on 2 ranks: for each model it
 trains plain (DDP over gloo, ``cpu=True``), then with ``DeepSpeedPlugin(zero_stage=2)`` and with
-``DeepSpeedPlugin(hf_ds_config=...)`` at ZeRO-3, gradient accumulation 2; rank 0 writes every loss curve
-to ``<out>/curves.json``."""
+``DeepSpeedPlugin(hf_ds_config=...)`` at ZeRO-3, gradient accumulation 2 (``<name>-resume``: stopped half
+way with ``accelerator.save_state``, resumed with ``load_state``); rank 0 writes every loss curve to
+``<out>/curves.json``."""
 
 import json
 import os
@@ -33,7 +34,9 @@ def plugin(name):
     return DeepSpeedPlugin(hf_ds_config=dict(ZERO3))
 
 
-def train(kind, name):
+def train(kind, name, save_at=None, resume_from=None):
+    """The loss of each optimizer step; ``save_at`` windows: ``accelerator.save_state`` there and stop;
+    ``resume_from``: ``accelerator.load_state`` it and go on from the next batch."""
     # One process runs several configurations: start each from a fresh Accelerate state.
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
@@ -45,6 +48,11 @@ def train(kind, name):
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     loader = torch.utils.data.DataLoader(TokenDataset(STEPS * GAS * 4 * 2, seed=1), batch_size=4)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    done = 0
+    if resume_from is not None:
+        accelerator.load_state(resume_from)
+        done = int(open(os.path.join(resume_from, "windows.txt")).read())
+        loader = accelerator.skip_first_batches(loader, done * GAS)
     losses, window = [], []
     model.train()
     for batch in loader:
@@ -59,12 +67,28 @@ def train(kind, name):
         if accelerator.sync_gradients:
             losses.append(sum(window) / len(window))
             window = []
+            if save_at is not None and done + len(losses) == save_at:
+                where = os.path.join(OUT, f"{kind}-{name}-state")
+                accelerator.save_state(where)
+                if accelerator.is_main_process:
+                    with open(os.path.join(where, "windows.txt"), "w") as f:
+                        f.write(str(save_at))
+                break
     accelerator.wait_for_everyone()
     return losses
 
 
+def run(kind, name):
+    if not name.endswith("-resume"):
+        return train(kind, name)
+    base = name.removesuffix("-resume")
+    first = train(kind, base, save_at=STEPS // 2)
+    torch.distributed.barrier()  # the state is written by every rank before any reads it
+    return first + train(kind, base, resume_from=os.path.join(OUT, f"{kind}-{base}-state"))
+
+
 def main():
-    curves = {f"{kind}-{name}": train(kind, name) for kind in KINDS for name in CONFIGS}
+    curves = {f"{kind}-{name}": run(kind, name) for kind in KINDS for name in CONFIGS}
     if int(os.environ.get("RANK", "0")) == 0:
         for key, curve in curves.items():
             print(key, curve, flush=True)
