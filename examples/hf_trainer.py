@@ -40,12 +40,12 @@ def main() -> None:
     args = parser.parse_args()
 
     ds_config = {**DS_CONFIG, "zero_optimization": {**DS_CONFIG["zero_optimization"], "stage": args.zero_stage}}
-    # Built before TrainingArguments registers a ZeRO-3 config, the model is partitioned by the engine.
-    model = AutoModelForCausalLM.from_config(tiny_llama_config())
     training_args = TrainingArguments(
         output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=8,
         gradient_accumulation_steps=2, learning_rate=3e-3, warmup_steps=4, logging_steps=5, save_steps=20,
         report_to=[], seed=0, deepspeed=ds_config, disable_tqdm=True)
+    # Made after TrainingArguments registered a ZeRO-3 config, the model is built partitioned (deepspeed.zero.Init).
+    model = AutoModelForCausalLM.from_config(tiny_llama_config())
     trainer = Trainer(model=model, args=training_args, train_dataset=TokenDataset(2048, seed=1))
     trainer.train(resume_from_checkpoint=True if args.resume else None)
     trainer.save_model()  # the whole model (ZeRO-3 shards gathered), loadable with from_pretrained

@@ -139,3 +139,12 @@ def test_launcher_runner_and_groups_answer_what_accelerate_imports(monkeypatch: 
         groups._get_sequence_parallel_group()
     with pytest.raises(RuntimeError, match="not started"):
         groups._get_data_parallel_world_size()
+
+
+def test_the_accelerate_example_runs(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+         str(ROOT / "examples" / "accelerate_loop.py"), "--zero-stage", "3"],
+        cwd=tmp_path, capture_output=True, text=True, env=_alias_env(), timeout=240)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert "tensors in the consolidated state dict" in done.stdout
