@@ -157,6 +157,20 @@ def test_init_distributed_is_idempotent_and_comm_defaults_to_world() -> None:
     assert run_distributed(_init_twice, 2) == [(0, 2, True, "world"), (1, 2, True, "world")]
 
 
+def _init_with_misleading_environment() -> tuple:
+    import os
+
+    import zerospeed
+
+    os.environ.update(RANK="0", WORLD_SIZE="1")  # a framework's launcher may not set them (Lightning's does not)
+    info = zerospeed.init_distributed()
+    return info.rank, info.world_size
+
+
+def test_a_running_group_is_the_truth_for_rank_and_size() -> None:
+    assert run_distributed(_init_with_misleading_environment, 2) == [(0, 2), (1, 2)]
+
+
 def test_init_distributed_single_process_without_launcher(tmp_path) -> None:
     import os
     import subprocess

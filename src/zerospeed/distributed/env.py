@@ -8,6 +8,7 @@ launcher), SLURM, Open MPI or an MPICH/Intel-MPI style PMI, and returns who this
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import datetime
 import os
 import re
@@ -189,7 +190,11 @@ def init_distributed(
             raise ValueError(f"give both rank and world_size (got rank={rank}, world_size={world_size})")
         info = _checked(DistEnv(rank, world_size, info.local_rank, info.local_world_size,
                                 info.master_addr, info.master_port, info.source))
-    if dist.is_initialized() or dist_init_required is False:
+    if dist.is_initialized():
+        # A group someone else started (Lightning, Accelerate, a user) is the truth for rank and size,
+        # whatever the environment variables say.
+        return dataclasses.replace(info, rank=dist.get_rank(), world_size=dist.get_world_size())
+    if dist_init_required is False:
         return info
     accel = get_accelerator()
     backend = dist_backend or accel.backend
