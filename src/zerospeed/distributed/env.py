@@ -192,7 +192,10 @@ def init_distributed(
                                 info.master_addr, info.master_port, info.source))
     if dist.is_initialized():
         # A group someone else started (Lightning, Accelerate, a user) is the truth for rank and size,
-        # whatever the environment variables say.
+        # whatever the environment variables say. zerospeed's collectives run on it, so it is shut down
+        # cleanly at exit too (a gloo group alive at interpreter teardown aborts the process).
+        atexit.unregister(shutdown_distributed)
+        atexit.register(shutdown_distributed)
         return dataclasses.replace(info, rank=dist.get_rank(), world_size=dist.get_world_size())
     if dist_init_required is False:
         return info
@@ -215,6 +218,7 @@ def init_distributed(
             rank=info.rank, world_size=info.world_size,
         )
     dist.init_process_group(**kwargs)
+    atexit.unregister(shutdown_distributed)
     atexit.register(shutdown_distributed)
     if verbose and info.rank == 0:
         print(f"zerospeed: {backend} process group of {info.world_size} ranks ({info.source})", flush=True)
