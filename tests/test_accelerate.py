@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,9 @@ import pytest
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 
+from zerospeed.testing import free_port  # noqa: E402
+from zerospeed.testing.alias import alias_env  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "hf_scripts" / "accelerate_runs.py"
 KINDS = ("gpt2", "llama")
@@ -26,33 +28,13 @@ RESUMED = ("z2-resume", "z3-resume")  # stopped half way (accelerator.save_state
 TOL = 1e-5
 
 
-def _alias_env(**extra: str) -> dict[str, str]:
-    return dict(os.environ, ZEROSPEED_AS_DEEPSPEED="1", **extra,
-                PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _alias_hook_installed() -> bool:
-    """The scripts rely on ``ZEROSPEED_AS_DEEPSPEED=1``, read by the .pth hook ``make install`` puts in place."""
-    import site
-
-    dirs = [*site.getsitepackages(), site.getusersitepackages()]
-    return any((Path(d) / "zerospeed_as_deepspeed.pth").is_file() for d in dirs)
-
-
 @pytest.fixture(scope="module")
 def curves(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[float]]:
-    assert _alias_hook_installed(), "zerospeed_as_deepspeed.pth is not in site-packages: run make install"
     out = tmp_path_factory.mktemp("accelerate")
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
          str(SCRIPT), str(out), ",".join(KINDS), ",".join(CONFIGS + RESUMED)],
-        cwd=out, capture_output=True, text=True, env=_alias_env(), timeout=280)
+        cwd=out, capture_output=True, text=True, env=alias_env(), timeout=280)
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
     with open(out / "curves.json") as f:
         loaded: dict[str, list[float]] = json.load(f)
@@ -84,7 +66,7 @@ def test_accelerate_sees_deepspeed_after_install() -> None:
     code = ("import zerospeed; zerospeed.install_as_deepspeed()\n"
             "from accelerate.utils import is_deepspeed_available\n"
             "print(is_deepspeed_available())\n")
-    env = {k: v for k, v in _alias_env().items() if k != "ZEROSPEED_AS_DEEPSPEED"}
+    env = {k: v for k, v in alias_env().items() if k != "ZEROSPEED_AS_DEEPSPEED"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["True"], done.stdout + done.stderr[-2000:]
@@ -143,8 +125,8 @@ def test_launcher_runner_and_groups_answer_what_accelerate_imports(monkeypatch: 
 
 def test_the_accelerate_example_runs(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
          str(ROOT / "examples" / "accelerate_loop.py"), "--zero-stage", "3"],
-        cwd=tmp_path, capture_output=True, text=True, env=_alias_env(), timeout=240)
+        cwd=tmp_path, capture_output=True, text=True, env=alias_env(), timeout=240)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert "tensors in the consolidated state dict" in done.stdout

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,16 +11,11 @@ from pathlib import Path
 import pytest
 
 import zerospeed
+from zerospeed.testing import free_port
 from zerospeed.comm import api
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).resolve().parent / "comm_scripts" / "deepspeed_calls.py"
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.mark.timeout(150)
@@ -29,7 +23,7 @@ def test_a_deepspeed_comm_script_runs_on_two_ranks(tmp_path: Path) -> None:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
     env["ZS_TEST_OUT"] = str(tmp_path)
-    done = subprocess.run([sys.executable, "-m", "zerospeed", "--num_procs", "2", "--master_port", str(_free_port()),
+    done = subprocess.run([sys.executable, "-m", "zerospeed", "--num_procs", "2", "--master_port", str(free_port()),
                            str(SCRIPT)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
     got = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]

@@ -8,7 +8,6 @@ import importlib
 import importlib.metadata
 import importlib.util
 import os
-import site
 import subprocess
 import sys
 import textwrap
@@ -26,6 +25,7 @@ from zerospeed.deepspeed_alias import (
     install_from_environment,
     is_installed,
     metadata_version,
+    pth_hook_installed,
     uninstall_as_deepspeed,
 )
 
@@ -226,13 +226,8 @@ def test_install_refuses_on_real_deepspeed_metadata(real_deepspeed_metadata_only
 
 
 # -- the environment switch (the .pth hook run at interpreter start) -------------------------------------
-def _hook_installed() -> bool:
-    dirs = [*site.getsitepackages(), site.getusersitepackages()]
-    return any((Path(d) / "zerospeed_as_deepspeed.pth").is_file() for d in dirs)
-
-
 def test_the_pth_hook_is_installed_with_the_package() -> None:
-    assert _hook_installed(), ("zerospeed_as_deepspeed.pth is not in site-packages, so ZEROSPEED_AS_DEEPSPEED=1 does "
+    assert pth_hook_installed(), ("zerospeed_as_deepspeed.pth is not in site-packages, so ZEROSPEED_AS_DEEPSPEED=1 does "
                                "nothing: install the package (make install; setup.py puts it in wheels and editable installs)")
 
 

@@ -4,7 +4,6 @@ tests/deepspeed_examples/README.md). The loss falls and the test accuracy beats 
 
 from __future__ import annotations
 
-import os
 import pickle
 import re
 import subprocess
@@ -13,6 +12,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from zerospeed.testing import free_port
+from zerospeed.testing.alias import alias_env
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "tests" / "deepspeed_examples"
@@ -40,31 +42,16 @@ def _write_cifar(root: Path, *, train_per_file: int, test_images: int, seed: int
         pickle.dump({"label_names": [f"class{i}" for i in range(CLASSES)]}, f)
 
 
-def _alias_hook_installed() -> bool:
-    import site
-
-    dirs = [*site.getsitepackages(), site.getusersitepackages()]
-    return any((Path(d) / "zerospeed_as_deepspeed.pth").is_file() for d in dirs)
-
-
 def _launcher(name: str) -> list[str]:
     """2 ranks through zerospeed's launcher, or through torchrun (given a free port: it has no port 0)."""
     if name == "zerospeed":
         return [sys.executable, "-m", "zerospeed", "--num_procs", "2", "--master_port", "0"]
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port)]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
 
 
 def _run_cifar(tmp_path: Path, stage: int, dtype: str, launcher: str = "zerospeed") -> str:
-    assert _alias_hook_installed(), "zerospeed_as_deepspeed.pth is not in site-packages: run make install"
     _write_cifar(tmp_path / "data", train_per_file=512, test_images=64)
-    env = dict(os.environ, ZEROSPEED_AS_DEEPSPEED="1",
-               PYTHONPATH=os.pathsep.join([str(EXAMPLES / "offline"), str(ROOT / "src"),
-                                           os.environ.get("PYTHONPATH", "")]))
+    env = alias_env(EXAMPLES / "offline")
     done = subprocess.run(
         [*_launcher(launcher), str(EXAMPLES / "cifar" / "cifar10_deepspeed.py"), "--deepspeed", "--epochs", "1",
          "--dtype", dtype, "--stage", str(stage), "--log-interval", "32"],

@@ -16,7 +16,6 @@ import json
 import os
 import pathlib
 import re
-import socket
 import sys
 from typing import Any, Iterator
 
@@ -26,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zerospeed.engine_refusals import REFUSED
+from zerospeed.testing import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data" / "deepspeed_0_19_8_engine_api.json"
@@ -128,9 +128,7 @@ def one_rank() -> Iterator[None]:
     import zerospeed
 
     saved = dict(os.environ)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     zerospeed.init_distributed(dist_backend="gloo")

@@ -8,7 +8,6 @@ One launch runs every configuration (tests/hf_scripts/trainer_runs.py)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,8 @@ import pytest
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
+
+from zerospeed.testing.alias import alias_env  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "hf_scripts" / "trainer_runs.py"
@@ -32,21 +33,11 @@ TOL = 1e-5
 
 
 def _alias_env() -> dict[str, str]:
-    return dict(os.environ, ZEROSPEED_AS_DEEPSPEED="1", TOKENIZERS_PARALLELISM="false",
-                PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
-
-
-def _alias_hook_installed() -> bool:
-    """The scripts rely on ``ZEROSPEED_AS_DEEPSPEED=1``, read by the .pth hook ``make install`` puts in place."""
-    import site
-
-    dirs = [*site.getsitepackages(), site.getusersitepackages()]
-    return any((Path(d) / "zerospeed_as_deepspeed.pth").is_file() for d in dirs)
+    return alias_env(TOKENIZERS_PARALLELISM="false")
 
 
 @pytest.fixture(scope="module")
 def curves(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, float]]:
-    assert _alias_hook_installed(), "zerospeed_as_deepspeed.pth is not in site-packages: run make install"
     out = tmp_path_factory.mktemp("hf_trainer")
     done = subprocess.run(
         [sys.executable, "-m", "zerospeed", "--num_procs", "2", "--master_port", "0", str(SCRIPT), str(out),

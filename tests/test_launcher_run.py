@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,16 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from zerospeed.testing import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "launcher_scripts"
 # Upper bound for one launcher run; well above the few seconds a healthy run takes.
 RUN_TIMEOUT_S = 60
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])
 
 
 def _env(out_dir: Path, **extra: str) -> dict[str, str]:
@@ -72,7 +67,7 @@ USER_ARGS = ["--foo", "bar", "--num_procs", "9", "x.json"]
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
 def test_three_ranks_get_env_and_untouched_argv(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     result = _launch(["--num_procs", "3", "--master_port", str(port),
                       "tests/launcher_scripts/record_env.py", *USER_ARGS], _env(tmp_path))
     _check_ok(result)
@@ -108,7 +103,7 @@ def test_append_local_rank_and_free_port(tmp_path: Path) -> None:
 def test_module_mode(tmp_path: Path) -> None:
     env = _env(tmp_path)
     env["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS), env["PYTHONPATH"]])
-    result = _launch(["--num_procs", "2", "--master_port", str(_free_port()), "--module",
+    result = _launch(["--num_procs", "2", "--master_port", str(free_port()), "--module",
                       "record_env", "-m", "x"], env)
     _check_ok(result)
     records = _records(tmp_path, 2)
@@ -120,7 +115,7 @@ def test_module_mode(tmp_path: Path) -> None:
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
 def test_failing_rank_stops_the_job_with_its_traceback(tmp_path: Path) -> None:
     start = time.monotonic()
-    result = _launch(["--num_procs", "3", "--master_port", str(_free_port()),
+    result = _launch(["--num_procs", "3", "--master_port", str(free_port()),
                       "tests/launcher_scripts/fail_rank1.py"], _env(tmp_path), timeout=30)
     elapsed = time.monotonic() - start
     output = result.stdout + result.stderr
@@ -134,7 +129,7 @@ def test_failing_rank_stops_the_job_with_its_traceback(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
 def test_exit_code_of_failed_rank_is_returned(tmp_path: Path) -> None:
-    result = _launch(["--num_procs", "2", "--master_port", str(_free_port()),
+    result = _launch(["--num_procs", "2", "--master_port", str(free_port()),
                       "tests/launcher_scripts/exit_code.py"], _env(tmp_path, ZS_EXIT_CODE="3"))
     assert result.returncode == 3, result.stderr
     assert "zerospeed: rank 1 (local_rank 1" in result.stderr
@@ -143,7 +138,7 @@ def test_exit_code_of_failed_rank_is_returned(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
 def test_ranks_form_a_gloo_group(tmp_path: Path) -> None:
-    result = _launch(["--num_procs", "3", "--master_port", str(_free_port()),
+    result = _launch(["--num_procs", "3", "--master_port", str(free_port()),
                       "tests/launcher_scripts/gloo_allreduce.py"], _env(tmp_path))
     _check_ok(result)
     assert _records(tmp_path, 3) == [

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 pytest.importorskip("lightning")
 
 from zerospeed.config.errors import ConfigError  # noqa: E402
+from zerospeed.testing import free_port  # noqa: E402
 from zerospeed.integrations.lightning_config import lightning_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,17 +28,11 @@ SCRIPT = ROOT / "tests" / "lightning_scripts" / "parity.py"
 TOL = 1e-5
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])
-
-
 def _launch(phase: str, out: Path) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(_free_port()), str(SCRIPT), phase, str(out)]
+           str(free_port()), str(SCRIPT), phase, str(out)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=str(out))
     assert done.returncode == 0, f"{phase} failed:\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
 

@@ -29,6 +29,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 DEEPSPEED_API_VERSION = "0.19.8"  # the DeepSpeed release whose public API zerospeed follows
 ENV_SWITCH = "ZEROSPEED_AS_DEEPSPEED"
+PTH_FILE = "zerospeed_as_deepspeed.pth"  # placed in site-packages by setup.py; reads ENV_SWITCH at start
 _ALIAS = "deepspeed"
 _TARGET = "zerospeed"
 _TRUE = ("1", "true", "yes", "on")
@@ -172,6 +173,14 @@ def uninstall_as_deepspeed() -> None:
             del sys.modules[name]
 
 
+def pth_hook_installed() -> bool:
+    """Whether :data:`PTH_FILE` is in a site-packages directory, so ``ZEROSPEED_AS_DEEPSPEED=1`` takes effect
+    at interpreter start (the package was installed, not just put on ``PYTHONPATH``)."""
+    import site
+
+    return any(os.path.isfile(os.path.join(d, PTH_FILE)) for d in [*site.getsitepackages(), site.getusersitepackages()])
+
+
 def install_from_environment(environ: Mapping[str, str] | None = None) -> bool:
     """The ``.pth`` hook: install when ``ZEROSPEED_AS_DEEPSPEED`` is on. It runs at interpreter start,
     where an exception would only print a traceback, so problems are reported as one clear line on
@@ -192,6 +201,6 @@ def install_from_environment(environ: Mapping[str, str] | None = None) -> bool:
     return True
 
 
-__all__ = ["DEEPSPEED_API_VERSION", "ENV_SWITCH", "DeepSpeedAliasFinder", "DeepSpeedInstalledError",
-           "install_as_deepspeed", "install_from_environment", "is_installed", "metadata_version",
+__all__ = ["DEEPSPEED_API_VERSION", "ENV_SWITCH", "PTH_FILE", "DeepSpeedAliasFinder", "DeepSpeedInstalledError",
+           "install_as_deepspeed", "install_from_environment", "is_installed", "metadata_version", "pth_hook_installed",
            "real_deepspeed", "uninstall_as_deepspeed"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import itertools
 import os
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
@@ -98,9 +99,8 @@ class DeepSpeedEngineAPI(DeepSpeedConfigGetters):
     @property
     def device(self) -> torch.device:
         """The device the model computes on (where ``initialize`` placed it)."""
-        for tensor in [*self.module.parameters(), *self.module.buffers()]:
-            return tensor.device
-        return torch.device("cpu")
+        first = next(itertools.chain(self.module.parameters(), self.module.buffers()), None)
+        return first.device if first is not None else torch.device("cpu")
 
     @property
     def mpu(self) -> Mesh | None:

@@ -6,17 +6,13 @@ from typing import Any
 
 import torch
 
+from zerospeed.tensor_tree import map_tensors
+
 
 def clone_tensors_for_torch_save(item: Any, device: torch.device | str = torch.device("cpu")) -> Any:
-    """``item`` with every tensor (through lists, tuples and dicts) cloned to ``device``: ``torch.save``
+    """``item`` with every tensor (through tuples, lists and mappings) cloned to ``device``: ``torch.save``
     of a view writes its whole storage, a clone writes only its own elements."""
-    if torch.is_tensor(item):
-        return item.detach().to(device).clone()
-    if isinstance(item, (list, tuple)):
-        return type(item)(clone_tensors_for_torch_save(v, device) for v in item)
-    if isinstance(item, dict):
-        return type(item)({k: clone_tensors_for_torch_save(v, device) for k, v in item.items()})
-    return item
+    return map_tensors(item, lambda t: t.detach().to(device).clone())
 
 
 __all__ = ["clone_tensors_for_torch_save"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from zerospeed.config.errors import ConfigError
 from zerospeed.config.load import read_source
@@ -22,6 +22,39 @@ PRECISION_SECTIONS: dict[str, str | None] = {"32-true": None, "bf16-mixed": "bf1
 DEFAULT_CONFIG: dict[str, Any] = {"zero_optimization": {"stage": 2}}
 
 ConfigSource = Mapping[str, Any] | str | os.PathLike[str] | None
+
+CHECKPOINT_TAG = "checkpoint"  # the engine's tag inside the directory trainer.save_checkpoint / fabric.save name
+
+
+class StrategyRegistry(Protocol):
+    """What Lightning's and Fabric's strategy registries offer (``_StrategyRegistry``)."""
+
+    def __contains__(self, name: object) -> bool: ...
+
+    def register(self, name: str, strategy: Any = None, description: str | None = None,
+                 override: bool = False, **init_params: Any) -> Any: ...
+
+
+def zero_config(stage: int, *, offload: bool = False) -> dict[str, Any]:
+    """The config a registry name stands for (offload: optimizer, and parameters at stage 3, to CPU)."""
+    zero: dict[str, Any] = {"stage": stage}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+        if stage == 3:
+            zero["offload_param"] = {"device": "cpu"}
+    return {"zero_optimization": zero}
+
+
+def register_strategy_names(strategy: type, registry: StrategyRegistry) -> None:
+    """Register ``strategy`` as ``"zerospeed"`` (ZeRO stage 2 unless ``config=``), one name per stage, and the
+    offload variants, in Lightning's or Fabric's registry (names already there are left alone)."""
+    entries: list[tuple[str, str, dict[str, Any]]] = [("zerospeed", "zerospeed (ZeRO stage 2 by default)", {})]
+    entries += [(f"zerospeed_stage_{s}", f"zerospeed, ZeRO stage {s}", {"config": zero_config(s)}) for s in range(4)]
+    entries += [(f"zerospeed_stage_{s}_offload", f"zerospeed, ZeRO stage {s} with CPU offload",
+                 {"config": zero_config(s, offload=True)}) for s in (2, 3)]
+    for name, description, params in entries:
+        if name not in registry:
+            registry.register(name, strategy, description=description, **params)
 
 
 def export_rank_environment(*, rank: int, world_size: int, local_rank: int, main_address: str,

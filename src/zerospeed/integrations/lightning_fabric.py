@@ -31,9 +31,9 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from zerospeed.engine import Engine
-from zerospeed.integrations.lightning import CHECKPOINT_TAG, zero_config
-from zerospeed.integrations.lightning_config import (ConfigSource, check_device, export_rank_environment,
-                                                         lightning_config)
+from zerospeed.integrations.lightning_config import (CHECKPOINT_TAG, ConfigSource, check_device,
+                                                         export_rank_environment, lightning_config,
+                                                         register_strategy_names)
 from zerospeed.integrations.lightning_precision import ZeroSpeedFabricPrecision, precision_flag
 
 __all__ = ["ZeroSpeedFabricStrategy", "ZeroSpeedFabricPrecision"]
@@ -201,14 +201,7 @@ class ZeroSpeedFabricStrategy(DDPStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """``"zerospeed"`` (ZeRO stage 2 unless ``config=``), one name per stage, and the offload variants."""
-        entries: list[tuple[str, str, dict[str, Any]]] = [("zerospeed", "zerospeed (ZeRO stage 2 by default)", {})]
-        entries += [(f"zerospeed_stage_{s}", f"zerospeed, ZeRO stage {s}", {"config": zero_config(s)})
-                    for s in range(4)]
-        entries += [(f"zerospeed_stage_{s}_offload", f"zerospeed, ZeRO stage {s} with CPU offload",
-                     {"config": zero_config(s, offload=True)}) for s in (2, 3)]
-        for name, description, params in entries:
-            if name not in strategy_registry:
-                strategy_registry.register(name, cls, description=description, **params)
+        register_strategy_names(cls, strategy_registry)
 
 
 ZeroSpeedFabricStrategy.register_strategies(STRATEGY_REGISTRY)

@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, TextIO
 
+from zerospeed.distributed.defaults import free_port
 from zerospeed.launcher.errors import LauncherError, MultiNodeNotImplementedError
 from zerospeed.launcher.plan import DEFAULT_MASTER_PORT, LaunchPlan, Program
 
@@ -83,12 +84,6 @@ def port_is_free(port: int) -> bool:
     return True
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("", 0))
-        return int(probe.getsockname()[1])
-
-
 def choose_master_port(
     requested: int | None, *, default: int = DEFAULT_MASTER_PORT, log: TextIO | None = None
 ) -> int:
@@ -98,13 +93,13 @@ def choose_master_port(
     if requested is None:
         if port_is_free(default):
             return default
-        port = _free_port()
+        port = free_port()
         if log is not None:
             print(f"zerospeed: default master port {default} is busy, using free port {port}",
                   file=log)
         return port
     if requested == 0:
-        return _free_port()
+        return free_port()
     if not port_is_free(requested):
         raise LauncherError(
             f"--master_port {requested} is already in use on this machine; pass another port, "

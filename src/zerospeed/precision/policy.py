@@ -20,7 +20,6 @@ tests rely on. Set ``communication_data_type`` to trade that back.)
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +29,7 @@ from ..config.errors import ConfigError
 from ..config.schema import Config
 from ..config.policies import LossScalePolicy
 from ..config.values import DType
+from ..tensor_tree import map_tensors
 from .loss_scale import LossScaler, scaler_for
 
 
@@ -87,22 +87,7 @@ class MixedPrecisionPolicy:
 
 
 def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
-    if isinstance(value, tuple):
-        items = [_cast_floating(v, dtype) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    if isinstance(value, list):
-        return type(value)(_cast_floating(v, dtype) for v in value)
-    if isinstance(value, Mapping):
-        cast = {k: _cast_floating(v, dtype) for k, v in value.items()}
-        if type(value) is dict:
-            return cast
-        try:
-            return type(value)(cast)  # type: ignore[call-arg]  # a dict subclass or alike
-        except TypeError:
-            return cast
-    return value
+    return map_tensors(value, lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t)
 
 
 def policy_from_config(cfg: Config) -> MixedPrecisionPolicy:

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from zerospeed.tensor_tree import map_tensors
+
 log = logging.getLogger("zerospeed")
 
 
@@ -44,15 +46,9 @@ def set_random_seed(seed: int) -> None:
 
 
 def move_to_device(item: Any, device: torch.device | str, criterion_func: Any = None) -> Any:
-    """``item`` with every tensor in it (through lists, tuples and dicts) moved to ``device``; with
+    """``item`` with every tensor in it (through tuples, lists and mappings) moved to ``device``; with
     ``criterion_func``, only the tensors it accepts."""
-    if isinstance(item, torch.Tensor):
-        return item.to(device) if criterion_func is None or criterion_func(item) else item
-    if isinstance(item, (list, tuple)):
-        return type(item)(move_to_device(v, device, criterion_func) for v in item)
-    if isinstance(item, dict):
-        return {k: move_to_device(v, device, criterion_func) for k, v in item.items()}
-    return item
+    return map_tensors(item, lambda t: t.to(device) if criterion_func is None or criterion_func(t) else t)
 
 
 __all__ = ["move_to_device", "see_memory_usage", "set_random_seed"]
