@@ -1,0 +1,94 @@
+"""How a model's parameters are split over the tensor-parallel group: a pure record, read once.
+
+The engine reads it to count each parameter once in the global gradient norm (a replicated
+parameter's gradient is the same on every tensor-parallel rank), to broadcast replicated
+parameters inside the group, and checkpoints read it to store slices in a form any
+tensor-parallel size can load. It comes from the layers themselves
+(:meth:`TensorParallelLayer.partition_dims`) or, for Megatron models handed in with an ``mpu``,
+from Megatron's parameter attributes ``tensor_model_parallel`` / ``partition_dim``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from torch import nn
+
+from zerospeed.tensor_parallel.layers import TensorParallelLayer
+
+
+@dataclass(frozen=True)
+class ParamSplit:
+    """A parameter that is slice ``rank`` of ``degree`` equal slices of a full tensor along ``dim``."""
+
+    dim: int
+    rank: int
+    degree: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.degree:
+            raise ValueError(f"ParamSplit rank {self.rank} outside degree {self.degree}")
+
+    def full_shape(self, local: tuple[int, ...]) -> tuple[int, ...]:
+        """The full tensor's shape, from this slice's."""
+        return tuple(n * self.degree if d == self.dim else n for d, n in enumerate(local))
+
+    def blocks(self, shape: tuple[int, ...]) -> tuple[int, int, int]:
+        """``(outer, split, inner)``: the full tensor viewed as ``[outer, split, inner]`` around ``dim``
+        (``split`` is the full size of the split dimension). Slice ``r`` holds ``split / degree``
+        consecutive rows of the middle axis: one contiguous run per outer index."""
+        return math.prod(shape[: self.dim]), shape[self.dim], math.prod(shape[self.dim + 1:])
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    """The split of every tensor-parallel parameter of a model (by parameter name); any parameter not
+    listed is replicated over the group."""
+
+    degree: int
+    rank: int
+    splits: Mapping[str, ParamSplit] = field(default_factory=dict)
+
+    def is_split(self, name: str) -> bool:
+        return name in self.splits
+
+    def counted_elsewhere(self, names: list[str]) -> frozenset[str]:
+        """Of ``names``, those another tensor-parallel rank counts: replicated ones, counted on rank 0."""
+        if self.rank == 0 or self.degree == 1:
+            return frozenset()
+        return frozenset(name for name in names if name not in self.splits)
+
+    def to_json(self) -> dict:
+        return {"degree": self.degree, "splits": {name: s.dim for name, s in self.splits.items()}}
+
+
+def tp_layout(model: nn.Module, degree: int = 1, rank: int = 0) -> TPLayout:
+    """The layout of ``model`` on this rank: from its :class:`TensorParallelLayer` s, and from Megatron's
+    ``tensor_model_parallel`` attributes (with ``degree``/``rank`` of the group the ``mpu`` gave).
+    Every split layer must use a group of ``degree`` ranks (or of one, when the model is not split)."""
+    splits: dict[str, ParamSplit] = {}
+    seen: set[int] = set()
+    layers = {path: m for path, m in model.named_modules() if isinstance(m, TensorParallelLayer)}
+    for path, layer in layers.items():
+        if layer.tp_size == 1:
+            continue
+        if degree not in (1, layer.tp_size):
+            raise ValueError(f"{path or 'the model'} is split over {layer.tp_size} tensor-parallel ranks but the "
+                             f"job's tensor-parallel size is {degree}; build the layers with the mesh's tp group")
+        degree, rank = layer.tp_size, layer.tp_rank
+    for name, param in model.named_parameters():  # first name of each parameter, as checkpoints use
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        owner_path, _, attr = name.rpartition(".")
+        layer = layers.get(owner_path)
+        if layer is not None and layer.tp_size > 1 and attr in layer.partition_dims():
+            splits[name] = ParamSplit(layer.partition_dims()[attr], layer.tp_rank, layer.tp_size)
+        elif getattr(param, "tensor_model_parallel", False) and degree > 1:
+            splits[name] = ParamSplit(int(getattr(param, "partition_dim", 0)), rank, degree)
+    return TPLayout(degree, rank, splits)
+
+
+__all__ = ["ParamSplit", "TPLayout", "tp_layout"]
