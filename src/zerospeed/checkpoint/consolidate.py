@@ -21,6 +21,7 @@ from torch import nn
 from zerospeed.checkpoint.layout import BUFFER, MASTER, CheckpointError, CheckpointMismatchError, fsync_dir, resolve
 from zerospeed.checkpoint.reader import CheckpointSet
 from zerospeed.checkpoint.safetensors_io import StreamingWriter
+from zerospeed.tensor_parallel.layout import TPLayout, tp_layout
 
 if TYPE_CHECKING:
     from zerospeed.checkpoint.contract import CheckpointedEngine
@@ -32,12 +33,14 @@ INDEX_NAME = "model.safetensors.index.json"
 _OWN_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")  # names convert writes into a directory
 
 
-def _open(checkpoint_dir: str, tag: str | None) -> CheckpointSet:
+def _open(checkpoint_dir: str, tag: str | None, layout: TPLayout | None = None) -> CheckpointSet:
+    """The checkpoint as a model of ``layout`` reads it (default: unsplit, so tensor-parallel parts
+    come back joined along their split dimension)."""
     resolved, path = resolve(os.fspath(checkpoint_dir), tag)
     if path is None:
         raise CheckpointError(f"{checkpoint_dir} holds no checkpoint: no 'latest' file, no manifest.json; pass "
                               f"the directory given to save_checkpoint (or a tag directory inside it)")
-    return CheckpointSet(path)
+    return CheckpointSet(path, layout)
 
 
 def _entries(ckpt: CheckpointSet) -> list[tuple[str, str, str]]:
@@ -80,8 +83,10 @@ def get_fp32_state_dict(checkpoint_dir: str, tag: str | None = None) -> dict[str
 def load_state_dict_from_checkpoint(model: nn.Module, checkpoint_dir: str, tag: str | None = None,
                                     strict: bool = True) -> nn.Module:
     """Read a checkpoint's weights straight into ``model``'s tensors (cast to their dtypes), one
-    tensor at a time; returns ``model``. ``strict`` refuses missing or unexpected keys."""
-    with _open(checkpoint_dir, tag) as ckpt:
+    tensor at a time; returns ``model``. ``strict`` refuses missing or unexpected keys. A
+    tensor-parallel ``model`` reads its own slices, from a checkpoint of any tensor-parallel degree."""
+    with _open(checkpoint_dir, tag, tp_layout(model)) as ckpt:
+        ckpt.check_layout()
         stored = {key: (kind, name) for key, kind, name in _entries(ckpt)}
         targets = dict(model.state_dict(keep_vars=True))
         missing = sorted(set(targets) - set(stored))

@@ -15,6 +15,7 @@ from torch import nn
 from zerospeed.config import Config
 from zerospeed.data.loader import DistributedLoader
 from zerospeed.distributed.comm import Comm
+from zerospeed.distributed.mesh import Mesh
 from zerospeed.precision.loss_scale import LossScaler
 from zerospeed.zero.contract import ModelState
 
@@ -23,6 +24,8 @@ class CheckpointedEngine(Protocol):
     """The engine as ``save_checkpoint`` / ``load_checkpoint`` / ``save_16bit_model`` use it."""
 
     comm: Comm
+    #: every group of the job; checkpoints read its tensor-parallel one (see ``checkpoint/topology.py``)
+    mesh: Mesh
     config: Config
     module: nn.Module
     optimizer: torch.optim.Optimizer | None

@@ -30,6 +30,8 @@ from zerospeed.checkpoint.small_state import load_small_state, rng_state, set_rn
 from zerospeed.checkpoint.state_io import (RankPayload, StreamedPayload, collect, describe_groups, keep_states_of,
                                            load_masters, load_param_groups, missing_params,
                                            restore_optimizer_states)
+from zerospeed.checkpoint.topology import CheckpointTopology, checkpoint_topology
+from zerospeed.checkpoint.tp_reshard import full_shape, slots_to_save, to_parts
 
 if TYPE_CHECKING:
     from zerospeed.checkpoint.contract import CheckpointedEngine
@@ -44,13 +46,14 @@ def save_checkpoint(engine: CheckpointedEngine, save_dir: str, tag: Any = None, 
                     save_latest: bool = True, exclude_frozen_parameters: bool = False,
                     async_save: bool | None = None) -> BackgroundSave | str:
     """Run one save (every rank calls it); see :meth:`zerospeed.engine.Engine.save_checkpoint`."""
-    comm = engine.comm
+    topo = checkpoint_topology(engine)
+    comm = topo.comm
     if not save_dir:
         raise ValueError("save_checkpoint: save_dir is empty; pass the directory to save into")
     tag = layout.check_tag(f"global_step{engine.global_steps}" if tag is None else tag)
     save_dir = os.path.abspath(os.fspath(save_dir))
     calls_before = comm.calls
-    sync = RankSync(comm.store, f"zerospeed/ckpt/{engine.checkpoint_id}/{engine.next_checkpoint_call()}",
+    sync = RankSync(comm.store, f"zerospeed/ckpt/{topo.checkpoint_id}/{engine.next_checkpoint_call()}",
                     comm.rank, comm.world_size, comm.timeout)
     sync.publish("hello", json.dumps([tag, save_dir]))
 
@@ -80,9 +83,9 @@ def save_checkpoint(engine: CheckpointedEngine, save_dir: str, tag: Any = None, 
                       f"{engine.micro_steps}): the partly accumulated gradients are not saved, and a run "
                       f"resumed from it starts a new window", stacklevel=3)
 
-    tmp_dir = os.path.join(save_dir, f"{layout.TMP_PREFIX}{tag}-{engine.checkpoint_id[:8]}-{sync.prefix.rsplit('/', 1)[1]}")
+    tmp_dir = os.path.join(save_dir, f"{layout.TMP_PREFIX}{tag}-{topo.checkpoint_id[:8]}-{sync.prefix.rsplit('/', 1)[1]}")
     try:
-        job, asynchronous = _prepare(engine, sync, save_dir, tmp_dir, tag, client_state, save_latest,
+        job, asynchronous = _prepare(engine, topo, sync, save_dir, tmp_dir, tag, client_state, save_latest,
                                      exclude_frozen_parameters, async_save)
     except BaseException as exc:  # the peers are past the handshake: tell them, so no one waits it out
         status = f"rank {comm.rank} could not prepare its part: {type(exc).__name__}: {exc}"
@@ -94,11 +97,11 @@ def save_checkpoint(engine: CheckpointedEngine, save_dir: str, tag: Any = None, 
     return job.run()
 
 
-def _prepare(engine: CheckpointedEngine, sync: RankSync, save_dir: str, tmp_dir: str, tag: str, client_state: dict | None,
+def _prepare(engine: CheckpointedEngine, topo: CheckpointTopology, sync: RankSync, save_dir: str, tmp_dir: str, tag: str, client_state: dict | None,
              save_latest: bool, exclude_frozen_parameters: bool, async_save: bool | None) -> tuple[SaveJob, bool]:
     """This rank's part of a save, ready to run: its temporary directory (leased), the fragments
     (snapshotted for an asynchronous save), and its serialized small state."""
-    comm = engine.comm
+    comm = topo.comm
     os.makedirs(tmp_dir, exist_ok=True)
     lease = layout.DirLease(tmp_dir)
     try:
@@ -110,7 +113,7 @@ def _prepare(engine: CheckpointedEngine, sync: RankSync, save_dir: str, tmp_dir:
                   if exclude_frozen_parameters else set())
         buffers = _persistent_buffers(engine.module) if comm.rank == 0 else {}
         plan = engine.state.checkpoint_groups()
-        parts = _stream_parts(engine, plan.groups, frozen, buffers)
+        parts = _stream_parts(engine, topo, plan.groups, frozen, buffers)
         payload: RankPayload | StreamedPayload
         if plan.in_memory:  # every part's views stay valid together (copied for an async save)
             payload = RankPayload.joined(parts())
@@ -125,7 +128,7 @@ def _prepare(engine: CheckpointedEngine, sync: RankSync, save_dir: str, tmp_dir:
             engine_state = serialize({"lr_scheduler": scheduler.state_dict() if hasattr(scheduler, "state_dict")
                                       else None, "client_state": client_state or {}})
             warn_if_unsafe(engine_state, "client_state (or the LR scheduler's state_dict)")
-            manifest = _manifest(engine, tag, buffers)
+            manifest = _manifest(engine, topo, tag, buffers)
             manifest["excluded_frozen_parameters"] = bool(exclude_frozen_parameters)
         job = SaveJob(sync, save_dir, tmp_dir, tag, payload, rank_state, engine_state, manifest, save_latest, lease)
         if asynchronous and not plan.in_memory:
@@ -142,26 +145,32 @@ def _prepare(engine: CheckpointedEngine, sync: RankSync, save_dir: str, tmp_dir:
     return job, asynchronous
 
 
-def _collect_part(engine: CheckpointedEngine, units: Sequence[int] | None, frozen: set[str]) -> RankPayload:
-    """Fragments of ``units``' slots (default: all), frozen parameters excluded (views, not copies)."""
-    slots = engine.state.checkpoint_slots(for_save=True, units=units)
-    return collect([slot for slot in slots if slot.param not in frozen], engine.optimizer, with_optimizer=True)
+def _collect_part(engine: CheckpointedEngine, topo: CheckpointTopology, units: Sequence[int] | None,
+                  frozen: set[str]) -> RankPayload:
+    """Fragments of ``units``' slots (default: all), frozen parameters excluded (views, not copies);
+    tensor-parallel slices as their parts, replicated parameters from tensor-parallel rank 0 only."""
+    slots = slots_to_save(engine.state.checkpoint_slots(for_save=True, units=units), topo.layout)
+    out = collect([slot for slot in slots if slot.param not in frozen], engine.optimizer, with_optimizer=True)
+    to_parts(out.tensors, out.fragments, topo.layout)
+    return out
 
 
-def _stream_parts(engine: CheckpointedEngine, groups: Sequence[Sequence[int] | None], frozen: set[str],
+def _stream_parts(engine: CheckpointedEngine, topo: CheckpointTopology, groups: Sequence[Sequence[int] | None],
+                  frozen: set[str],
                   buffers: dict[str, torch.Tensor]) -> Callable[[], Iterator[RankPayload]]:
     """The parts of a streamed save: each group's fragments while that group alone is resident (read
     only: nothing is written back), then the buffers."""
     def parts() -> Iterator[RankPayload]:
         for group in groups:
             with engine.state.resident_state(group, write_back=False):
-                yield _collect_part(engine, group, frozen)
+                yield _collect_part(engine, topo, group, frozen)
         if buffers:
             yield RankPayload.of_buffers(buffers)
     return parts
 
 
-def _manifest(engine: CheckpointedEngine, tag: str, buffers: dict[str, torch.Tensor]) -> dict[str, Any]:
+def _manifest(engine: CheckpointedEngine, topo: CheckpointTopology, tag: str,
+              buffers: dict[str, torch.Tensor]) -> dict[str, Any]:
     import zerospeed
 
     optimizer = engine.optimizer
@@ -169,8 +178,9 @@ def _manifest(engine: CheckpointedEngine, tag: str, buffers: dict[str, torch.Ten
     names = {id(p): n for n, p in engine.module.named_parameters()}
     aliases = {n: names[id(p)] for n, p in engine.module.named_parameters(remove_duplicate=False)
                if names[id(p)] != n}
+    split = topo.tp_degree > 1  # parts and full shapes: version 2 (an older zerospeed refuses, naming the upgrade)
     return {
-        "format": layout.FORMAT, "version": layout.VERSION, "tag": tag,
+        "format": layout.FORMAT, "version": layout.VERSION if split else 1, "tag": tag,
         "zerospeed_version": zerospeed.__version__, "torch_version": torch.__version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "world_size": engine.comm.world_size, "zero_stage": engine.state.stage,
@@ -179,8 +189,10 @@ def _manifest(engine: CheckpointedEngine, tag: str, buffers: dict[str, torch.Ten
                      "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
                      "gradient_accumulation_steps": engine.gradient_accumulation_steps()},
         "loss_scaler": {"class": type(engine.scaler).__name__, **engine.scaler.state_dict()},
-        "params": [{"name": p.name, "shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch."),
-                    "trainable": p.trainable} for p in engine.state.checkpoint_params()],
+        "params": [{"name": p.name, "shape": list(full_shape(p.name, p.shape, topo.layout)),
+                    "dtype": str(p.dtype).removeprefix("torch."), "trainable": p.trainable}
+                   for p in engine.state.checkpoint_params()],
+        **({"tensor_parallel": topo.layout.to_json()} if split else {}),
         "aliases": aliases,
         "buffers": [{"name": n, "shape": list(b.shape), "dtype": str(b.dtype).removeprefix("torch.")}
                     for n, b in buffers.items()],
@@ -206,7 +218,8 @@ def load_checkpoint(engine: CheckpointedEngine, load_dir: str, tag: Any = None, 
         raise NotImplementedError("load_checkpoint(custom_load_fn=...): zerospeed checkpoints are read by "
                                   "parameter range; load with load_module_only=True, or read weights with "
                                   "zerospeed.checkpoint.load_state_dict_from_checkpoint(model, dir)")
-    comm = engine.comm
+    topo = checkpoint_topology(engine)
+    comm = topo.comm
     load_dir = os.fspath(load_dir)
     tag, path = layout.resolve(load_dir, None if tag is None else str(tag))
     seen = comm.all_gather_object((tag, path and os.path.abspath(path)))
@@ -219,9 +232,9 @@ def load_checkpoint(engine: CheckpointedEngine, load_dir: str, tag: Any = None, 
                       f"given); nothing was loaded", stacklevel=3)
         return None, None
     with_optimizer = load_optimizer_states and not load_module_only
-    with CheckpointSet(path) as ckpt:
+    with CheckpointSet(path, topo.layout) as ckpt:
         manifest = ckpt.manifest
-        small = _load_groups(engine, ckpt, load_module_strict, with_optimizer, allow_unsafe_pickle)
+        small = _load_groups(engine, topo, ckpt, load_module_strict, with_optimizer, allow_unsafe_pickle)
     if load_module_only:
         return path, small.engine.get("client_state")
     _load_scaler(engine, manifest["loss_scaler"])
@@ -249,10 +262,11 @@ def resumed_micro_steps(counters: dict[str, Any], saved_config: dict[str, Any], 
     return int(counters["micro_steps"]) // saved_accumulation * accumulation
 
 
-def _same_data_layout(engine: CheckpointedEngine, manifest: dict[str, Any]) -> bool:
+def _same_data_layout(engine: CheckpointedEngine, topo: CheckpointTopology, manifest: dict[str, Any]) -> bool:
     """Whether this rank's saved RNG states and data position apply as they are: the same ranks, each
     reading the same micro-batches."""
     return (int(manifest["world_size"]) == engine.comm.world_size
+            and int((manifest.get("tensor_parallel") or {}).get("degree", 1)) == topo.tp_degree
             and int(manifest.get("micro_batch_size", -1)) == engine.train_micro_batch_size_per_gpu())
 
 
@@ -260,18 +274,18 @@ def _same_data_layout(engine: CheckpointedEngine, manifest: dict[str, Any]) -> b
 _LOAD_ERRORS = (CheckpointError, OSError, ValueError, KeyError, RuntimeError)
 
 
-def _load_groups(engine: CheckpointedEngine, ckpt: CheckpointSet, strict: bool, with_optimizer: bool,
+def _load_groups(engine: CheckpointedEngine, topo: CheckpointTopology, ckpt: CheckpointSet, strict: bool, with_optimizer: bool,
                  allow_unsafe_pickle: bool) -> SmallState:
     """Check everything first, then load one group of units at a time as the state's
     ``checkpoint_groups()`` says (one group when it is all in memory), each resident while it is
     loaded, refreshed and written back. Each rank reads different ranges, so the ranks agree on the
     outcome before every collective refresh."""
-    comm, state = engine.comm, engine.state
+    comm, state = topo.comm, engine.state  # every rank: a refusal on one tensor-parallel rank stops all
     error: BaseException | None = None
     small = SmallState({}, None)
     try:
         names = [p.name for p in state.checkpoint_params()]  # the slots' names need their units resident
-        small = _load_common(engine, ckpt, names, strict, with_optimizer, allow_unsafe_pickle)
+        small = _load_common(engine, topo, ckpt, names, strict, with_optimizer, allow_unsafe_pickle)
     except _LOAD_ERRORS as exc:
         error = exc
     comm.fail_together(error, "load_checkpoint", error_type=CheckpointError)
@@ -294,11 +308,12 @@ def _load_groups(engine: CheckpointedEngine, ckpt: CheckpointSet, strict: bool, 
     return small
 
 
-def _load_common(engine: CheckpointedEngine, ckpt: CheckpointSet, names: list[str], strict: bool, with_optimizer: bool,
+def _load_common(engine: CheckpointedEngine, topo: CheckpointTopology, ckpt: CheckpointSet, names: list[str], strict: bool, with_optimizer: bool,
                  allow_unsafe_pickle: bool) -> SmallState:
     """Check everything first (names, shapes, ``names``' values present, the optimizer's class, the
     pickled files), then read all but masters and optimizer states: buffers, param groups."""
     manifest = ckpt.manifest
+    ckpt.check_layout()
     _check_names(engine, ckpt, strict=strict)
     missing_params(names, ckpt, strict=strict)
     optimizer = _loads_optimizer(engine, ckpt, with_optimizer)
@@ -307,11 +322,11 @@ def _load_common(engine: CheckpointedEngine, ckpt: CheckpointSet, names: list[st
         raise CheckpointError(f"{ckpt.path} holds {saved_class} states but this engine's optimizer is "
                               f"{type(optimizer).__name__}; load with load_optimizer_states=False")
     # before anything changes: a refused file leaves the engine as it was
-    rank_path = os.path.join(ckpt.path, layout.rank_state(engine.comm.rank))
+    rank_path = os.path.join(ckpt.path, layout.rank_state(topo.comm.rank))
     small = SmallState(
         load_small_state(os.path.join(ckpt.path, layout.ENGINE_STATE), allow_unsafe_pickle=allow_unsafe_pickle) or {},
         load_small_state(rank_path, allow_unsafe_pickle=allow_unsafe_pickle)
-        if _same_data_layout(engine, manifest) else None)
+        if _same_data_layout(engine, topo, manifest) else None)
     saved_buffers = {b["name"] for b in manifest.get("buffers", [])}
     with torch.no_grad():
         for name, buf in _persistent_buffers(engine.module).items():

@@ -17,7 +17,9 @@ import threading
 from typing import Any
 
 FORMAT = "zerospeed-checkpoint"
-VERSION = 1
+# 2: tensor-parallel parts (``tensor_parallel`` record, ``name#tp<r>of<n>`` fragments); written only by
+# tensor-parallel saves, so every other checkpoint stays version 1 and readable by older releases
+VERSION = 2
 MANIFEST = "manifest.json"
 LATEST = "latest"
 ENGINE_STATE = "engine_state.pt"
