@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from zerospeed.distributed.groups import group_members
-from zerospeed.distributed.mesh import Mesh, ParallelDims
+from zerospeed.distributed.mesh import Axis, Mesh, ParallelDims
 from zerospeed.tensor_parallel.layers import TensorParallelLayer
 from zerospeed.tensor_parallel.layout import TPLayout, tp_layout
 from zerospeed.zero.owner import init_partition
@@ -78,7 +78,8 @@ def build_mesh(dims: ParallelDims, mpu: Any, timeout: datetime.timedelta | None)
         return mpu
     mesh = dims.build(**({} if timeout is None else {"timeout": timeout}))
     if mpu is not None:
-        for axis, names in (("tp", _MPU_TP_GROUP), ("dp", ("get_data_parallel_group",))):
+        checks: tuple[tuple[Axis, tuple[str, ...]], ...] = (("tp", _MPU_TP_GROUP), ("dp", ("get_data_parallel_group",)))
+        for axis, names in checks:
             group = _ask(mpu, names)
             if group is None:
                 continue
@@ -105,7 +106,7 @@ def apply_config_autotp(model: nn.Module, mesh: Mesh, settings: Mapping[str, Any
     """``tensor_parallel.autotp_size``: split a plain model with AutoTP (not one already split)."""
     if mesh.dims.tp == 1 or model_tp_degree(model) > 1:
         return
-    from zerospeed.tensor_parallel.autotp import apply_autotp
+    from zerospeed.tensor_parallel.autotp import apply_autotp  # type: ignore[import-untyped, unused-ignore]
 
     apply_autotp(model, mesh.comm("tp"), partition_config=settings.get("partition_config"),
                  preset_model=settings.get("preset_model"))
