@@ -136,3 +136,111 @@ def test_pure_tensor_parallel_matches_unsharded(tp: int) -> None:
                                         timeout=300):
         for result in rank_results:
             _check(result)
+
+
+# -- Megatron's mpu, the data loader, overflow -------------------------------------------------------
+class MegatronMPU:
+    """What Megatron-LM hands DeepSpeed: process groups and their sizes and ranks."""
+
+    def __init__(self, dp_group: Any, tp_group: Any):
+        import torch.distributed as dist
+
+        self._dist, self.dp, self.tp = dist, dp_group, tp_group
+
+    def get_data_parallel_group(self) -> Any:
+        return self.dp
+
+    def get_model_parallel_group(self) -> Any:
+        return self.tp
+
+    def get_data_parallel_world_size(self) -> int:
+        return self._dist.get_world_size(self.dp)
+
+    def get_model_parallel_world_size(self) -> int:
+        return self._dist.get_world_size(self.tp)
+
+    def get_data_parallel_rank(self) -> int:
+        return self._dist.get_rank(self.dp)
+
+    def get_model_parallel_rank(self) -> int:
+        return self._dist.get_rank(self.tp)
+
+
+class Rows(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([i])
+
+
+def _megatron_and_loader() -> dict[str, Any]:
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    mesh = ParallelDims(world_size=world, tp=2).build()
+    out: dict[str, Any] = {}
+    # Megatron's mpu, whose groups the model's layers were built with (torch ProcessGroups)
+    mpu = MegatronMPU(mesh.get_data_parallel_group(), mesh.get_tensor_model_parallel_group())
+    torch.manual_seed(0)
+    model = TinyGPT(CFG, tp_group=mpu.get_model_parallel_group())
+    config = train_config(micro=MICRO, accum=1, optimizer=adamw(LR), zero=zero_section(1, reduce_bucket_size=3000,
+                                                                                     persistence_threshold=0))
+    engine, _, loader, _ = zerospeed.initialize(model=model, config=config, mpu=mpu, training_data=Rows())
+    out["dp_world"] = engine.mesh.dp.world_size
+    out["tp_ranks"] = engine.mesh.ranks("tp")
+    ids, targets = token_batch(0, MICRO * ACCUM * 2, CFG)
+    rows = _rows(engine.mesh.dp.rank, 0)
+    out["loss"] = engine(ids[rows], targets[rows]).item()
+    torch.manual_seed(0)
+    out["ref_loss"] = TinyGPT(CFG)(ids[rows], targets[rows]).item()
+    # the loader: tensor-parallel peers read the same rows, data-parallel peers different ones
+    assert loader is not None
+    out["first_batch"] = next(iter(loader)).reshape(-1).tolist()
+    engine.destroy()
+    # an mpu laid out otherwise than zerospeed's mesh is refused, naming both layouts
+    odd = [dist.new_group([0, 2]), dist.new_group([1, 3])][dist.get_rank() % 2]
+    dp_odd = [dist.new_group([0, 1]), dist.new_group([2, 3])][dist.get_rank() // 2]
+    try:
+        zerospeed.initialize(model=TinyGPT(CFG), config=config, mpu=MegatronMPU(dp_odd, odd))
+    except ValueError as exc:
+        out["layout_error"] = str(exc)
+    return out
+
+
+def test_megatron_mpu_and_the_data_loader() -> None:
+    results = run_distributed(_megatron_and_loader, 4, timeout=300)
+    for rank, r in enumerate(results):
+        assert r["dp_world"] == 2 and r["tp_ranks"] == [rank - rank % 2, rank - rank % 2 + 1]
+        assert r["loss"] == pytest.approx(r["ref_loss"], abs=1e-5)
+        assert "the mpu's tp group holds ranks" in r["layout_error"] and "build the mpu with that order" in r["layout_error"]
+    batches = [r["first_batch"] for r in results]
+    assert batches[0] == batches[1] and batches[2] == batches[3]  # tensor-parallel peers
+    assert batches[0] != batches[2]  # data-parallel peers
+
+
+def _overflow_on_one_rank() -> dict[str, Any]:
+    import torch.distributed as dist
+
+    mesh = ParallelDims(world_size=dist.get_world_size(), tp=2).build()
+    torch.manual_seed(0)
+    model = TinyGPT(CFG, tp_group=mesh)
+    config = train_config(micro=MICRO, accum=1, optimizer=adamw(LR),
+                          zero=zero_section(1, reduce_bucket_size=3000, persistence_threshold=0),
+                          fp16={"enabled": True, "initial_scale_power": 8, "hysteresis": 1})
+    engine, *_ = zerospeed.initialize(model=model, config=config, mpu=mesh)
+    poison = dist.get_rank() == 3  # one rank: tensor-parallel rank 1 of the second replica
+    target = model.blocks[0].mlp.fc1.weight
+    target.register_hook(lambda g: g * float("inf") if poison else g)
+    before = safe_get_full_fp32_param(target)
+    ids, targets = token_batch(0, MICRO * ACCUM * 2, CFG)
+    rows = _rows(mesh.dp.rank, 0)
+    engine.backward(engine(ids[rows], targets[rows]))
+    engine.step()
+    return {"skipped": engine.skipped_steps, "scale": engine.cur_scale, "applied": engine.was_step_applied(),
+            "unchanged": torch.equal(before, safe_get_full_fp32_param(target))}
+
+
+def test_fp16_overflow_on_one_rank_skips_the_step_everywhere() -> None:
+    for r in run_distributed(_overflow_on_one_rank, 4, timeout=300):
+        assert r == {"skipped": 1, "scale": 128.0, "applied": False, "unchanged": True}
