@@ -9,6 +9,7 @@ and the parameters after 5 steps (AdamW, clipping, accumulation 2).
 
 from __future__ import annotations
 
+import shutil
 from typing import Any
 
 import pytest
@@ -61,13 +62,19 @@ def _mine(full: torch.Tensor, name: str, layout: Any) -> torch.Tensor:
     return full if split is None else full.chunk(split.degree, split.dim)[split.rank]
 
 
-def _train_case(mesh: Any, *, stage: int, precision: str = "fp32", sequence_parallel: bool = False) -> dict[str, Any]:
+def _train_case(mesh: Any, *, stage: int, precision: str = "fp32", sequence_parallel: bool = False,
+                offload: str | None = None) -> dict[str, Any]:
     dp_rank, dp = mesh.dp.rank, mesh.dp.world_size
     torch.manual_seed(0)
     model = TinyGPT(CFG, tp_group=mesh, sequence_parallel=sequence_parallel)
     extra = {"bf16": {"enabled": True}} if precision == "bf16" else {}
+    zero_extra: dict[str, Any] = {}
+    nvme = _nvme_dir() if offload == "nvme" else None
+    if offload is not None:  # the optimizer offloaded to CPU memory, or to NVMe (its shards in swap files)
+        zero_extra["offload_optimizer"] = {"device": offload, **({"nvme_path": nvme} if nvme else {})}
     config = train_config(micro=MICRO, accum=ACCUM, clip=CLIP, optimizer=adamw(LR),
-                          zero=zero_section(stage, reduce_bucket_size=3000, persistence_threshold=0), **extra)
+                          zero=zero_section(stage, reduce_bucket_size=3000, persistence_threshold=0, **zero_extra),
+                          **extra)
     engine, *_ = zerospeed.initialize(model=model, config=config, mpu=mesh)
     layout = tp_layout(model)
     losses, norms, grads = [], [], {}
@@ -91,7 +98,15 @@ def _train_case(mesh: Any, *, stage: int, precision: str = "fp32", sequence_para
         out["param_err"] = max(out["param_err"], err)
         out["grad_err"] = max(out["grad_err"], (grads[name] - _mine(ref["grads"][name], name, layout)).abs().max().item())
     engine.destroy()
+    if nvme is not None:
+        shutil.rmtree(nvme, ignore_errors=True)
     return out
+
+
+def _nvme_dir() -> str:
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="zerospeed-tp-nvme-")
 
 
 def _run(tp: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -109,7 +124,8 @@ def _check(result: dict[str, Any], *, tol: float = 1e-5) -> None:
 
 
 DP_CASES = [dict(stage=s) for s in (0, 1, 2, 3)] + [dict(stage=1, sequence_parallel=True),
-                                                     dict(stage=3, sequence_parallel=True)]
+                                                     dict(stage=3, sequence_parallel=True),
+                                                     dict(stage=2, offload="cpu"), dict(stage=2, offload="nvme")]
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +134,8 @@ def tp2_dp2() -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("case", range(len(DP_CASES)),
-                         ids=[f"stage{c['stage']}{'-sp' if c.get('sequence_parallel') else ''}" for c in DP_CASES])
+                         ids=[f"stage{c['stage']}{'-sp' if c.get('sequence_parallel') else ''}"
+                              f"{'-' + str(c['offload']) if c.get('offload') else ''}" for c in DP_CASES])
 def test_tp2_dp2_matches_unsharded(tp2_dp2: list[dict[str, Any]], case: int) -> None:
     for rank_results in tp2_dp2:
         _check(rank_results[case])
