@@ -228,3 +228,18 @@ def test_uneven_splits_are_refused_with_the_fix() -> None:
     assert "RowParallelLinear in_features = 3" in errors[1]
     assert "VocabParallelEmbedding num_embeddings = 7" in errors[2]
     assert "needs input_is_parallel=True" in errors[3]
+
+
+def test_an_mpu_with_pipeline_stages_is_refused_until_pipelines_land() -> None:
+    class MPU:
+        def get_data_parallel_world_size(self) -> int:
+            return 2
+
+        def get_model_parallel_world_size(self) -> int:
+            return 2
+
+        def get_pipe_parallel_world_size(self) -> int:
+            return 2
+
+    with pytest.raises(NotImplementedError, match="pipeline-parallel size is 2"):
+        declared_dims(8, model=nn.Linear(2, 2), mpu=MPU(), autotp_size=0)

@@ -50,6 +50,8 @@ def declared_dims(world_size: int, *, model: nn.Module, mpu: Any, autotp_size: i
     tensor-parallel size must name the same one."""
     sources: dict[str, int] = {}
     if isinstance(mpu, Mesh):
+        if mpu.dims.world_size != world_size:
+            raise ValueError(f"mpu: the mesh was built for {mpu.dims.world_size} ranks but the job has {world_size}")
         sources["mpu"] = mpu.dims.tp
         pipeline_stages = mpu.dims.pp
     elif mpu is not None:
@@ -68,6 +70,9 @@ def declared_dims(world_size: int, *, model: nn.Module, mpu: Any, autotp_size: i
         said = ", ".join(f"{where}: {size}" for where, size in sources.items())
         raise ValueError(f"conflicting tensor-parallel sizes ({said}); make them agree")
     tp = next(iter(sources.values()), 1)
+    if pipeline_stages > 1 and mpu is not None:
+        raise NotImplementedError(f"mpu: its pipeline-parallel size is {pipeline_stages}; pipeline parallelism is "
+                                  f"not implemented yet (tensor and data parallelism are); use an mpu without stages")
     return ParallelDims(world_size=world_size, tp=tp, pp=pipeline_stages)
 
 
