@@ -21,6 +21,7 @@ from torch import nn
 from zerospeed.checkpoint.layout import BUFFER, MASTER, CheckpointError, CheckpointMismatchError, fsync_dir, resolve
 from zerospeed.checkpoint.reader import CheckpointSet
 from zerospeed.checkpoint.safetensors_io import StreamingWriter
+from zerospeed.checkpoint.topology import checkpoint_topology
 from zerospeed.tensor_parallel.layout import TPLayout, tp_layout
 
 if TYPE_CHECKING:
@@ -209,12 +210,19 @@ def _write_shard(ckpt: CheckpointSet, path: str, shard: list[tuple], chunk_bytes
 def consolidated_16bit_state_dict(engine: CheckpointedEngine,
                                   exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor] | None:
     """The model's whole state dict on CPU, in the compute dtype, on rank 0 (None on the other ranks).
-    Every rank must call it: ZeRO-3 shards are gathered. Tied parameters stay one tensor under each key."""
-    rank0 = engine.comm.rank == 0
+    Every rank must call it: ZeRO-3 shards are gathered, tensor-parallel slices joined along their
+    split dimension. Tied parameters stay one tensor under each key."""
+    topo = checkpoint_topology(engine)
+    rank0 = topo.comm.rank == 0
     module = engine.module
     trainable = {name for name, p in module.named_parameters() if p.requires_grad}
     weights = {}
     for name, value in engine.state.full_param_values():
+        split = topo.layout.splits.get(name)
+        if split is not None:  # every rank takes part, in the same order of names
+            parts = [torch.empty_like(value) for _ in range(split.degree)]
+            engine.mesh.comm("tp").all_gather(parts, value.detach().contiguous())
+            value = torch.cat(parts, dim=split.dim)
         if rank0 and (name in trainable or not exclude_frozen_parameters):
             weights[name] = value.detach().to("cpu", copy=True)
     if not rank0:
@@ -250,7 +258,7 @@ def save_16bit_model(engine: CheckpointedEngine, save_dir: str, save_filename: s
                 f.flush()
                 os.fsync(f.fileno())
         os.replace(tmp, path)
-    engine.comm.barrier()
+    checkpoint_topology(engine).comm.barrier()  # every rank returns once the file is there
     return True
 
 

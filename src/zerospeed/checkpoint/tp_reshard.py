@@ -96,8 +96,10 @@ def plan_reads(full_shape: Sequence[int], dim: int, old_degree: int, new_degree:
         if degree < 1 or split % degree:
             raise CheckpointError(f"a tensor of shape {shape} cannot be split into {degree} equal parts along "
                                   f"dim {dim}; use a tensor-parallel degree that divides {split}")
-    if old_degree == new_degree:
-        return [Run(new_rank, start, end, start)] if end > start else []
+    if end <= start:
+        return []
+    if old_degree == new_degree:  # the part this rank held: the plain contiguous read
+        return [Run(new_rank, start, end, start)]
     outer, _, inner = ParamSplit(dim, 0, 1).blocks(shape)
     w_new, w_old = split // new_degree * inner, split // old_degree * inner
     if not 0 <= start <= end <= outer * w_new:
