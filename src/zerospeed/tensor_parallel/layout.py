@@ -96,9 +96,9 @@ def tp_layout(model: nn.Module, degree: int = 1, rank: int = 0) -> TPLayout:
             continue
         seen.add(id(param))
         owner_path, _, attr = name.rpartition(".")
-        layer = layers.get(owner_path)
-        if layer is not None and layer.tp_size > 1 and attr in layer.partition_dims():
-            splits[name] = ParamSplit(layer.partition_dims()[attr], layer.tp_rank, layer.tp_size, layer.fused_parts)
+        owner = layers.get(owner_path)
+        if owner is not None and owner.tp_size > 1 and attr in owner.partition_dims():
+            splits[name] = ParamSplit(owner.partition_dims()[attr], owner.tp_rank, owner.tp_size, owner.fused_parts)
         elif getattr(param, "tensor_model_parallel", False) and degree > 1:
             splits[name] = ParamSplit(int(getattr(param, "partition_dim", 0)), rank, degree)
     return TPLayout(degree, rank, splits)
