@@ -217,3 +217,65 @@ def _tp_model_init_bf16() -> str:
 def test_tp_model_init_shards_at_once_on_two_ranks() -> None:
     run_distributed(_parity, 2, "llama", True, timeout=240)
     assert run_distributed(_tp_model_init_bf16, 2, timeout=120) == ["torch.bfloat16 (32, 48) 2 16"] * 2
+
+
+# -- through the engine: tensor_parallel.autotp_size ---------------------------------------------------------------
+ENGINE_STEPS, ENGINE_LR, ENGINE_EPS, ENGINE_CLIP, ENGINE_MICRO = 5, 1e-2, 1e-6, 1.0, 2
+
+
+def _engine_config(stage: int) -> dict[str, Any]:
+    return {"train_micro_batch_size_per_gpu": ENGINE_MICRO, "gradient_accumulation_steps": 1,
+            "gradient_clipping": ENGINE_CLIP, "steps_per_print": 10**6, "zero_optimization": {"stage": stage},
+            "optimizer": {"type": "AdamW", "params": {"lr": ENGINE_LR, "eps": ENGINE_EPS, "weight_decay": 0.01}},
+            "tensor_parallel": {"autotp_size": 2}}
+
+
+def _engine_rows() -> torch.Tensor:
+    return token_rows(ENGINE_STEPS * ENGINE_MICRO, seed=3)
+
+
+def _engine_runs(cases: list[tuple[str, int]]) -> list[list[float]]:
+    """Each (kind, stage): a fresh unsharded model through ``zerospeed.initialize`` at autotp_size 2 (both
+    ranks are one tensor-parallel group, so they see the same rows), 5 steps, the losses."""
+    import zerospeed
+
+    out = []
+    for kind, stage in cases:
+        model = tiny_causal_lm(kind, seed=0)
+        engine, *_ = zerospeed.initialize(model=model, config=_engine_config(stage),
+                                          model_parameters=model.parameters())
+        assert getattr(engine.module, "ds_autotp_parsed") and tp_layout(engine.module).degree == 2
+        rows, losses = _engine_rows(), []
+        for step in range(ENGINE_STEPS):
+            loss = engine(**lm_batch(rows[step * ENGINE_MICRO:(step + 1) * ENGINE_MICRO])).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        out.append(losses)
+    return out
+
+
+def _unsharded_losses(kind: str) -> list[float]:
+    """The same model, rows, AdamW and clipping in one plain process."""
+    model = tiny_causal_lm(kind, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=ENGINE_LR, eps=ENGINE_EPS, weight_decay=0.01)
+    rows, losses = _engine_rows(), []
+    for step in range(ENGINE_STEPS):
+        loss = model(**lm_batch(rows[step * ENGINE_MICRO:(step + 1) * ENGINE_MICRO])).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), ENGINE_CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.spawns
+def test_initialize_with_autotp_size_trains_like_the_unsharded_model() -> None:
+    cases = [("llama", 0), ("llama", 1), ("gpt2", 0)]
+    ranks = run_distributed(_engine_runs, 2, cases, timeout=300)
+    for i, (kind, _) in enumerate(cases):
+        ref = _unsharded_losses(kind)
+        for rank_losses in ranks:
+            assert max(abs(a - b) for a, b in zip(rank_losses[i], ref)) < TOL, (cases[i], rank_losses[i], ref)
+        assert ref[-1] < ref[0]
