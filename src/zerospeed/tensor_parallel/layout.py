@@ -46,11 +46,12 @@ class ParamSplit:
         return tuple(n * self.degree if d == self.dim else n for d, n in enumerate(local))
 
     def blocks(self, shape: tuple[int, ...]) -> tuple[int, int, int]:
-        """``(outer, split, inner)``: the full tensor viewed as ``[outer, split, inner]`` around ``dim``
-        (``split`` is the full size of the split dimension). Slice ``r`` holds ``split / degree``
-        consecutive rows of the middle axis: one contiguous run per outer index (with ``parts > 1``:
-        one run in each of the ``parts`` equal blocks of that axis)."""
-        return math.prod(shape[: self.dim]), shape[self.dim], math.prod(shape[self.dim + 1:])
+        """``(outer, split, inner)``: the full tensor (of ``shape``) viewed as ``[outer, split, inner]`` so
+        that slice ``r`` is chunk ``r`` of ``degree`` equal chunks of the middle axis, and the slice's
+        own flattened values are ``[outer, split / degree, inner]`` in order: one contiguous run per
+        outer index. ``parts`` fused tensors count as outer rows (each is split on its own)."""
+        split = shape[self.dim] // self.parts
+        return math.prod(shape[: self.dim]) * self.parts, split, math.prod(shape[self.dim + 1:])
 
 
 @dataclass(frozen=True)
