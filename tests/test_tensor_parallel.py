@@ -243,3 +243,15 @@ def test_an_mpu_with_pipeline_stages_is_refused_until_pipelines_land() -> None:
 
     with pytest.raises(NotImplementedError, match="pipeline-parallel size is 2"):
         declared_dims(8, model=nn.Linear(2, 2), mpu=MPU(), autotp_size=0)
+
+
+def test_fused_parts_are_outer_rows_of_a_plain_split() -> None:
+    """GPT-2's c_attn ([in, 3h], q/k/v each split): the slice's values are chunk r of the middle axis of
+    the (outer, split, inner) view, which is what checkpoints reshard by."""
+    full = torch.arange(4 * 12).reshape(4, 12)
+    for rank in (0, 1):
+        split = ParamSplit(dim=1, rank=rank, degree=2, parts=3)
+        outer, middle, inner = split.blocks(tuple(full.shape))
+        assert (outer, middle, inner) == (12, 4, 1)
+        view = full.reshape(outer, middle, inner)
+        assert torch.equal(split.local_slice(full).reshape(-1), view.chunk(2, dim=1)[rank].reshape(-1))

@@ -34,7 +34,7 @@ log = logging.getLogger("zerospeed")
 
 # Config features this engine honours; anything else a config asks for is refused by name.
 IMPLEMENTED = frozenset({
-    "tensor_parallel",
+    "tensor_parallel", "tensor_parallel.partition_config", "tensor_parallel.preset_model=*",
     "fp16", "bf16", "gradient_clipping", "optimizer.type=*", "scheduler.type=*", "communication_data_type=*",
     "prescale_gradients", "gradient_predivide_factor", "dataloader_drop_last", "bf16.check_grad_overflow",
     "zero_optimization.stage=1", "zero_optimization.stage=2", "zero_optimization.stage=3",

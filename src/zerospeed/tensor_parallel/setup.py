@@ -111,7 +111,7 @@ def apply_config_autotp(model: nn.Module, mesh: Mesh, settings: Mapping[str, Any
     """``tensor_parallel.autotp_size``: split a plain model with AutoTP (not one already split)."""
     if mesh.dims.tp == 1 or model_tp_degree(model) > 1:
         return
-    from zerospeed.tensor_parallel.autotp import apply_autotp  # type: ignore[import-untyped, unused-ignore]
+    from zerospeed.tensor_parallel.autotp import apply_autotp
 
     apply_autotp(model, mesh.comm("tp"), partition_config=settings.get("partition_config"),
                  preset_model=settings.get("preset_model"))
