@@ -66,19 +66,29 @@ def test_blocks_are_bounded():
 
 
 def test_indivisible_degree_is_refused():
-    with pytest.raises(CheckpointError, match="cannot be split into 3 equal parts along dim 1"):
+    with pytest.raises(CheckpointError, match=r"cannot be split into 3 equal parts along dim 1"):
         plan_reads((2, 8), 1, 2, 3, 0, 0, 2)
+    with pytest.raises(CheckpointError, match=r"\(3 fused\) cannot be split into 4 equal parts"):
+        plan_reads((6, 2), 0, 1, 4, 0, 0, 2, fused=3)
 
 
-def _expected(full: torch.Tensor, dim: int, degree: int, rank: int) -> torch.Tensor:
-    return full.chunk(degree, dim=dim)[rank].reshape(-1)
+def test_fused_dim0_reads_each_fused_tensor():
+    # (6, 2) = q, k, v of 2 rows each; rank 1 of 2 holds the second row of each: one read of the
+    # unsplit part (elements 2-11) as 3 rows of 4, whose last 2 columns are copied
+    assert plan_reads((6, 2), 0, 1, 2, 1, 0, 6, fused=3) == [Block(0, 3, 0, 4, 2, 0, 2, 0, 2)]
 
 
-@pytest.mark.parametrize("shape,dim", [((8, 12), 0), ((8, 12), 1), ((3, 4, 8), 1), ((24,), 0), ((2, 3, 8), 2)])
-def test_values_for_every_degree_pair(shape, dim):
+def _expected(full: torch.Tensor, dim: int, degree: int, rank: int, fused: int = 1) -> torch.Tensor:
+    return ParamSplit(dim, rank, degree, fused).local_slice(full).reshape(-1)
+
+
+@pytest.mark.parametrize("shape,dim,fused", [((8, 12), 0, 1), ((8, 12), 1, 1), ((3, 4, 8), 1, 1), ((24,), 0, 1),
+                                             ((2, 3, 8), 2, 1), ((12, 4), 0, 3), ((2, 24), 1, 3), ((24,), 0, 3)])
+def test_values_for_every_degree_pair(shape, dim, fused):
+    """``fused``: q, k and v in one tensor, each split on its own (AutoTP's fused projections)."""
     full = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
     for old, new in itertools.permutations((1, 2, 4), 2):
-        parts = [_expected(full, dim, old, p) for p in range(old)]
+        parts = [_expected(full, dim, old, p, fused) for p in range(old)]
         calls = []
 
         def read_part(part, lo, hi, out):
@@ -86,14 +96,15 @@ def test_values_for_every_degree_pair(shape, dim):
             out.copy_(parts[part][lo:hi])
 
         for rank in range(new):
-            want = _expected(full, dim, new, rank)
+            want = _expected(full, dim, new, rank, fused)
             n = want.numel()
             for start, end in [(0, n), (1, n - 1), (3, 4), (n // 2, n), (0, 1), (min(5, n), max(n - 7, min(5, n)))]:
                 out = torch.full((end - start,), -1.0)
-                run_reads(plan_reads(shape, dim, old, new, rank, start, end, block_elements=7), read_part, start, out)
+                reads = plan_reads(shape, dim, old, new, rank, start, end, fused=fused, block_elements=7)
+                run_reads(reads, read_part, start, out)
                 assert torch.equal(out, want[start:end]), (old, new, rank, start, end)
         outer = torch.Size(shape[:dim]).numel()
-        assert len(calls) < outer * 40 * new, "reads should be per block, not per element"
+        assert len(calls) < outer * fused * 40 * new, "reads should be per block, not per element"
 
 
 def test_names_and_save_helpers():
@@ -187,6 +198,10 @@ def test_another_split_dim_is_refused(tmp_path):
     _write(tmp_path / "ckpt")
     layout = TPLayout(2, 0, {"fc.weight": ParamSplit(0, 0, 2), "emb.weight": ParamSplit(0, 0, 2)})
     with CheckpointSet(str(tmp_path / "ckpt"), layout) as ckpt:
-        with pytest.raises(CheckpointError, match=r"fc.weight of shape \(6, 8\) is split along dim 1 in the "
-                                                  r"checkpoint but along dim 0 in this model"):
+        with pytest.raises(CheckpointError, match=r"fc.weight of shape \(6, 8\) is split along dim 1 \(1 fused "
+                                                  r"tensor\(s\)\) in the checkpoint but along dim 0 \(1 fused\)"):
+            ckpt.check_layout()
+    fused = TPLayout(2, 0, {"fc.weight": ParamSplit(1, 0, 2, parts=2), "emb.weight": ParamSplit(0, 0, 2)})
+    with CheckpointSet(str(tmp_path / "ckpt"), fused) as ckpt:
+        with pytest.raises(CheckpointError, match=r"along dim 1 \(2 fused\) in this model"):
             ckpt.check_layout()

@@ -21,7 +21,8 @@ import torch
 
 from zerospeed.checkpoint.layout import CheckpointError, read_manifest
 from zerospeed.checkpoint.safetensors_io import SafetensorsReader
-from zerospeed.checkpoint.tp_reshard import StoredTP, local_shape, part_name, plan_reads, reading_split, run_reads
+from zerospeed.checkpoint.tp_reshard import (ReadSplit, StoredTP, local_shape, part_name, plan_reads, reading_split,
+                                             run_reads)
 from zerospeed.tensor_parallel.layout import TPLayout
 
 
@@ -34,7 +35,7 @@ class CheckpointSet:
         self.tp = StoredTP.of(self.manifest)
         self.layout = layout if layout is not None else TPLayout(1, 0)
         self.full_params: dict[str, dict[str, Any]] = {p["name"]: p for p in self.manifest["params"]}
-        self._splits: dict[str, tuple[int, int, int, int] | None] = {}
+        self._splits: dict[str, ReadSplit | None] = {}
         self._layout_errors: list[str] = []
         for name, info in self.full_params.items():
             try:
@@ -101,10 +102,10 @@ class CheckpointSet:
             return self._read_stored(kind, name, start, end, out)
         if out.numel() != end - start:
             raise ValueError(f"read_range: out has {out.numel()} elements for [{start}, {end})")
-        dim, old_degree, new_degree, new_rank = split
-        reads = plan_reads(self.full_params[name]["shape"], dim, old_degree, new_degree, new_rank, start, end)
+        reads = plan_reads(self.full_params[name]["shape"], split.dim, split.old_degree, split.new_degree,
+                           split.new_rank, start, end, fused=split.fused)
         target = out.view(-1) if out.is_contiguous() else torch.empty(end - start, dtype=out.dtype, device=out.device)
-        run_reads(reads, lambda part, lo, hi, buf: self._read_stored(kind, part_name(name, part, old_degree),
+        run_reads(reads, lambda part, lo, hi, buf: self._read_stored(kind, part_name(name, part, split.old_degree),
                                                                     lo, hi, buf), start, target)
         if target.data_ptr() != out.data_ptr():
             out.copy_(target.view(out.shape))

@@ -87,20 +87,20 @@ Read = Union[Run, Block]
 
 
 def plan_reads(full_shape: Sequence[int], dim: int, old_degree: int, new_degree: int, new_rank: int,
-               start: int, end: int, *, block_elements: int = BLOCK_ELEMENTS) -> list[Read]:
+               start: int, end: int, *, fused: int = 1, block_elements: int = BLOCK_ELEMENTS) -> list[Read]:
     """The reads that fill elements ``[start, end)`` of slice ``new_rank`` of ``new_degree`` (along
-    ``dim``) from a checkpoint that stored ``old_degree`` parts along the same ``dim``."""
+    ``dim``) from a checkpoint that stored ``old_degree`` parts along the same ``dim``; ``fused``
+    tensors concatenated along ``dim`` are each split on their own (:class:`ParamSplit` ``parts``)."""
     shape = tuple(full_shape)
-    split = shape[dim] if shape else 1
+    outer, split, inner = ParamSplit(dim, 0, 1, fused).blocks(shape)
     for degree in (old_degree, new_degree):
-        if degree < 1 or split % degree:
-            raise CheckpointError(f"a tensor of shape {shape} cannot be split into {degree} equal parts along "
-                                  f"dim {dim}; use a tensor-parallel degree that divides {split}")
+        if degree < 1 or split % degree or split * fused != shape[dim]:
+            raise CheckpointError(f"a tensor of shape {shape} ({fused} fused) cannot be split into {degree} equal "
+                                  f"parts along dim {dim}; use a tensor-parallel degree that divides {split}")
     if end <= start:
         return []
     if old_degree == new_degree:  # the part this rank held: the plain contiguous read
         return [Run(new_rank, start, end, start)]
-    outer, _, inner = ParamSplit(dim, 0, 1).blocks(shape)
     w_new, w_old = split // new_degree * inner, split // old_degree * inner
     if not 0 <= start <= end <= outer * w_new:
         raise ValueError(f"range [{start}, {end}) outside a slice of {outer * w_new} elements")
@@ -161,45 +161,60 @@ def run_reads(reads: Sequence[Read], read_part: ReadPart, start: int, out: torch
 # -- the checkpoint's record ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class StoredTP:
-    """What a manifest says about tensor parallelism: the degree and each split parameter's dim."""
+    """What a manifest says about tensor parallelism: the degree, each split parameter's dim and,
+    for fused tensors (AutoTP's q/k/v in one weight), how many are fused."""
 
     degree: int = 1
     splits: Mapping[str, int] = field(default_factory=dict)
+    fused: Mapping[str, int] = field(default_factory=dict)
 
     @classmethod
     def of(cls, manifest: Mapping[str, Any]) -> "StoredTP":
         record = manifest.get("tensor_parallel") or {}
-        return cls(int(record.get("degree", 1)), dict(record.get("splits", {})))
+        return cls(int(record.get("degree", 1)), dict(record.get("splits", {})), dict(record.get("fused_parts", {})))
 
     def stored_name(self, name: str, rank: int = 0) -> str:
         """Where part ``rank`` of ``name`` is (the name itself when it is not split)."""
         return part_name(name, rank, self.degree) if name in self.splits else name
 
 
+@dataclass(frozen=True)
+class ReadSplit:
+    """How to read one parameter: stored as ``old_degree`` parts, wanted as slice ``new_rank`` of
+    ``new_degree``, both along ``dim`` (of ``fused`` tensors each split on its own)."""
+
+    dim: int
+    old_degree: int
+    new_degree: int
+    new_rank: int
+    fused: int = 1
+
+
 def reading_split(name: str, full_shape: Sequence[int], stored: StoredTP, layout: TPLayout,
-                  path: str) -> tuple[int, int, int, int] | None:
-    """``(dim, old degree, new degree, new rank)`` to read ``name`` (stored name, the model's name
-    in ``layout``) with, or None when neither side splits it (plain ranges)."""
+                  path: str) -> ReadSplit | None:
+    """How to read ``name`` (stored name, the model's name in ``layout``), or None when neither side
+    splits it (plain ranges). Either side may be unsplit: the other one says the dim."""
     old_dim = stored.splits.get(name)
     new = layout.splits.get(name)
     if old_dim is None and new is None:
         return None
-    if old_dim is not None and new is not None and old_dim != new.dim:
+    old_fused = stored.fused.get(name, 1) if old_dim is not None else None
+    if old_dim is not None and new is not None and (old_dim, old_fused) != (new.dim, new.parts):
         raise CheckpointError(f"{path}: parameter {name} of shape {tuple(full_shape)} is split along dim {old_dim} "
-                              f"in the checkpoint but along dim {new.dim} in this model; build the model with the "
-                              f"same tensor-parallel layers as the saving one (or convert the checkpoint with "
-                              f"`zerospeed convert` and load the full tensors)")
-    dim = new.dim if new is not None else int(old_dim)  # type: ignore[arg-type]
-    return (dim, stored.degree if old_dim is not None else 1,
-            new.degree if new is not None else 1, new.rank if new is not None else 0)
+                              f"({old_fused} fused tensor(s)) in the checkpoint but along dim {new.dim} ({new.parts} "
+                              f"fused) in this model; build the model with the same tensor-parallel layers as the "
+                              f"saving one (or convert the checkpoint with `zerospeed convert` and load the full "
+                              f"tensors)")
+    if new is not None:
+        return ReadSplit(new.dim, stored.degree if old_dim is not None else 1, new.degree, new.rank, new.parts)
+    return ReadSplit(int(old_dim), stored.degree, 1, 0, int(old_fused or 1))  # type: ignore[arg-type]
 
 
-def local_shape(full_shape: Sequence[int], split: tuple[int, int, int, int] | None) -> tuple[int, ...]:
+def local_shape(full_shape: Sequence[int], split: ReadSplit | None) -> tuple[int, ...]:
     """The shape of the slice this model holds (the full shape when it does not split the parameter)."""
     if split is None:
         return tuple(full_shape)
-    dim, _, degree, _ = split
-    return tuple(n // degree if d == dim else n for d, n in enumerate(full_shape))
+    return tuple(n // split.new_degree if d == split.dim else n for d, n in enumerate(full_shape))
 
 
 # -- saving ---------------------------------------------------------------------------------------
@@ -232,5 +247,5 @@ def full_shape(name: str, shape: tuple[int, ...], layout: TPLayout) -> tuple[int
     return shape if split is None else split.full_shape(shape)
 
 
-__all__ = ["Block", "Run", "StoredTP", "full_shape", "local_shape", "parse_part_name", "part_name", "plan_reads",
+__all__ = ["Block", "ReadSplit", "Run", "StoredTP", "full_shape", "local_shape", "parse_part_name", "part_name", "plan_reads",
            "reading_split", "run_reads", "slots_to_save", "to_parts"]
