@@ -3,7 +3,8 @@
 TinyGPT trains at tp=2 x dp=2 with ZeRO stage 1 for 3 steps, saves, and trains 2 more (the
 uninterrupted run). The checkpoint then loads into a plain TinyGPT on 1 rank (tp=1: parts joined),
 which saves it again as a plain checkpoint, and into TinyGPT at tp=4 on 4 ranks (parts split
-further, along dim 1 for the row-parallel weights), as does the plain checkpoint; after each load
+further, along dim 1 for the row-parallel weights; saved again at tp=4, which loads back at tp=2 under
+ZeRO stage 3), as does the plain checkpoint; after each load
 the next 2 steps' losses must match the uninterrupted run's within 1e-5 (Adam's moments and step
 are resharded with the weights). Every run sees the same global batch of 4 rows
 (``token_batch``): each data-parallel rank takes its rows, tensor-parallel peers the same rows.
@@ -91,12 +92,14 @@ def _load_plain(tp2_dir: str, plain_dir: str) -> list[float]:
     return _train(engine, range(SAVE_AT, SAVE_AT + MORE))
 
 
-def _load_tp4(tp2_dir: str, plain_dir: str, weights_dir: str) -> dict[str, Any]:
-    """tp=4 on 4 ranks: resume from the tp=2 checkpoint (parts split further) and from the plain one
-    (the full tensors split); a fresh tp=4 model reads the same slices without an engine; and
-    ``save_16bit_model`` writes the tp=2 checkpoint's weights whole."""
+def _load_tp4(tp2_dir: str, plain_dir: str, weights_dir: str, tp4_dir: str) -> dict[str, Any]:
+    """tp=4 on 4 ranks: resume from the tp=2 checkpoint (parts split further; saved again at tp=4) and
+    from the plain one (the full tensors split); a fresh tp=4 model reads the same slices without an
+    engine; and ``save_16bit_model`` writes the tp=2 checkpoint's weights whole."""
     engine, _ = _engine(4, 4)
-    from_tp2 = _resume(engine, tp2_dir)
+    engine.load_checkpoint(tp2_dir)
+    engine.save_checkpoint(tp4_dir, tag=TAG)
+    from_tp2 = _train(engine, range(SAVE_AT, SAVE_AT + MORE))
     from_plain = _resume(engine, plain_dir)
     torch.manual_seed(1)
     fresh = load_state_dict_from_checkpoint(TinyGPT(CFG, tp_group=engine.mesh), tp2_dir)
@@ -104,6 +107,12 @@ def _load_tp4(tp2_dir: str, plain_dir: str, weights_dir: str) -> dict[str, Any]:
     same = all(torch.equal(a, b) for a, b in zip(fresh.parameters(), engine.module.parameters(), strict=True))
     engine.save_16bit_model(weights_dir, "model.safetensors")
     return {"from_tp2": from_tp2, "from_plain": from_plain, "standalone_load_matches": same}
+
+
+def _load_tp2_stage3(tp4_dir: str) -> list[float]:
+    """tp=2 x dp=2 at ZeRO stage 3: resume from the tp=4 checkpoint (pairs of parts joined)."""
+    engine, _ = _engine(2, 4, stage=3)
+    return _resume(engine, tp4_dir)
 
 
 def _save_stages(save_dir: str) -> None:
@@ -143,11 +152,14 @@ def test_tp_checkpoint_reshards_across_degrees(tmp_path: Path):
     plain_manifest = json.loads((tmp_path / "plain" / TAG / "manifest.json").read_text())
     assert plain_manifest["version"] == 1 and "tensor_parallel" not in plain_manifest  # older readers read it
 
-    weights_dir = str(tmp_path / "weights")
-    for rank in run_distributed(_load_tp4, 4, tp2_dir, plain_dir, weights_dir, timeout=300):
+    weights_dir, tp4_dir = str(tmp_path / "weights"), str(tmp_path / "tp4")
+    for rank in run_distributed(_load_tp4, 4, tp2_dir, plain_dir, weights_dir, tp4_dir, timeout=300):
         assert rank["from_tp2"] == pytest.approx(uninterrupted, abs=ATOL)
         assert rank["from_plain"] == pytest.approx(uninterrupted, abs=ATOL)
         assert rank["standalone_load_matches"]
+
+    for losses in run_distributed(_load_tp2_stage3, 4, tp4_dir, timeout=300):
+        assert losses == pytest.approx(uninterrupted, abs=ATOL)
 
     files = convert_checkpoint(tp2_dir, str(tmp_path / "model.safetensors"))
     converted = load_file(files[0])
