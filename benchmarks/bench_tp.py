@@ -32,6 +32,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # so ranks can import this module by name
@@ -160,8 +161,12 @@ def _bench(spec: dict) -> dict:
 
     from torch.distributed.tensor.debug import CommDebugMode
     debug = CommDebugMode()
-    with debug:  # DTensor's collectives in one step (its first warm-up step), for the printout
+    with debug, warnings.catch_warnings():  # DTensor's collectives in its first warm-up step, for the printout
+        warnings.filterwarnings("ignore", message="Full backward hook")  # CommDebugMode's module tracker
         run("dtensor")
+    from torch.nn.modules import module as _module
+    assert not (_module._global_forward_pre_hooks or _module._global_forward_hooks
+                or _module._global_backward_hooks), "CommDebugMode left hooks behind: the timing would pay them"
     dtensor_calls = {str(op).split(".")[-1]: n for op, n in debug.get_comm_counts().items()}
     for name in SIDES:
         for _ in range(spec["warmup"] - (name == "dtensor")):
