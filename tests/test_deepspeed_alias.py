@@ -171,8 +171,12 @@ def test_import_zerospeed_as_deepspeed_needs_no_install() -> None:
 def test_not_yet_built_entry_points_refuse_by_name() -> None:
     with pytest.raises(NotImplementedError, match="init_inference.*not built yet"):
         zerospeed.init_inference(object())
-    with pytest.raises(NotImplementedError, match="tp_model_init.*tensor parallelism"):
-        zerospeed.tp_model_init(model=object(), tp_size=2)
+
+
+def test_tp_model_init_is_autotp() -> None:
+    from zerospeed.tensor_parallel.autotp import tp_model_init
+
+    assert zerospeed.tp_model_init is tp_model_init  # built now (tests/test_autotp.py runs it)
 
 
 # -- the real DeepSpeed installed: refuse ------------------------------------------------------------------

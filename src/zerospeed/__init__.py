@@ -28,7 +28,7 @@ _LAZY = {
     "log_dist": "zerospeed.utils.logging",
     "logger": "zerospeed.utils.logging",
     "init_inference": "zerospeed.not_built",
-    "tp_model_init": "zerospeed.not_built",
+    "tp_model_init": "zerospeed.tensor_parallel.autotp",
 }
 
 # Subpackages reachable as attributes after a bare ``import zerospeed`` (``zerospeed.zero.Init``).

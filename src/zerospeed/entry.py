@@ -12,13 +12,13 @@ from torch import nn
 
 from zerospeed.accelerator import get_accelerator
 from zerospeed.config import Config, ConfigError, load_config, resolve_batch
+from zerospeed.config.load import read_source
 from zerospeed.config.policies import TrainingPolicy, ZeroPolicy
 from zerospeed.config.specs import OptimizerSpec, SchedulerSpec
 from zerospeed.data.loader import DistributedLoader
 from zerospeed.distributed.comm import Comm
 from zerospeed.distributed.env import DEFAULT_TIMEOUT, init_distributed, process_group_timeout
 from zerospeed.distributed.groups import group_size
-from zerospeed.distributed.mesh import ParallelDims
 from zerospeed.engine import Engine
 from zerospeed.precision.policy import MixedPrecisionPolicy
 from zerospeed.profiling.timers import NoTimers, PhaseTimers, WallClockTimers
@@ -28,11 +28,13 @@ from zerospeed.zero.grads import ReductionPolicy
 from zerospeed.zero.optimizer import check_supported
 from zerospeed.zero.owner import clear_owner, engine_owner, init_partition
 from zerospeed.zero.replicated import ReplicatedState
+from zerospeed.zero.step_grads import NormScope
 
 log = logging.getLogger("zerospeed")
 
 # Config features this engine honours; anything else a config asks for is refused by name.
 IMPLEMENTED = frozenset({
+    "tensor_parallel", "tensor_parallel.partition_config", "tensor_parallel.preset_model=*",
     "fp16", "bf16", "gradient_clipping", "optimizer.type=*", "scheduler.type=*", "communication_data_type=*",
     "prescale_gradients", "gradient_predivide_factor", "dataloader_drop_last", "bf16.check_grad_overflow",
     "zero_optimization.stage=1", "zero_optimization.stage=2", "zero_optimization.stage=3",
@@ -71,16 +73,19 @@ def initialize(args: Any = None, model: nn.Module | None = None,
         raise TypeError("zerospeed.initialize got a model as its first argument (args); pass it as model=...")
     if model is None:
         raise ValueError("zerospeed.initialize needs model=... (an nn.Module)")
-    if mpu is not None:
-        raise NotImplementedError("mpu= (model parallelism from Megatron) lands with tensor/pipeline parallelism")
+    from zerospeed.tensor_parallel import setup as tp_setup
+
     source = _config_source(args, config, config_params)
     info = init_distributed(dist_init_required=dist_init_required)
     world = group_size()
-    cfg = _resolved_config(source, world)
-    cfg.check_implemented(IMPLEMENTED)  # refuses tensor/pipeline/expert/sequence parallelism by name
+    tp_settings = _tensor_parallel_settings(source)
+    dims = tp_setup.declared_dims(world, model=model, mpu=mpu, autotp_size=int(tp_settings.get("autotp_size") or 0),
+                                  pipeline_stages=_pipeline_stages(source))
+    cfg = _resolved_config(source, dims.dp)  # batch arithmetic over the data-parallel ranks
+    cfg.check_implemented(IMPLEMENTED)  # refuses pipeline/expert/sequence parallelism by name
     # Collectives time out as the process group was asked to (init_distributed(timeout=...)).
     pg_timeout = process_group_timeout()
-    mesh = _parallel_dims(cfg, world).build(**({} if pg_timeout == DEFAULT_TIMEOUT else {"timeout": pg_timeout}))
+    mesh = tp_setup.build_mesh(dims, mpu, None if pg_timeout == DEFAULT_TIMEOUT else pg_timeout)
     comm = mesh.dp
     assert comm.world_size == cfg.world_size, "the batch arithmetic must use the data-parallel size"
 
@@ -92,15 +97,20 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     training = TrainingPolicy.from_config(cfg)
     model.to(get_accelerator().torch_device(info.local_rank))
     _detach_previous_engine(model)
+    tp_setup.apply_config_autotp(model, mesh, tp_settings)
+    tp_setup.check_model_groups(model, mesh)
+    layout = tp_setup.layout_of(model, mesh)
     policy.cast_module(model)
     _broadcast_from_rank0(model, comm)
+    tp_setup.broadcast_replicated(model, mesh, layout)
     trainable = [p for p in model.parameters() if p.requires_grad]
     # The optimizer is made while the parameters are still whole (Adagrad makes its state at once).
     offload = _optimizer_offload(zero)
     opt = _build_optimizer(optimizer, model_parameters, trainable, cfg, cpu_offload=offload)
     if offload:
         _warn_if_slow_on_cpu(opt)
-    state = _model_state(model, cfg, comm, policy, zero=zero, training=training, has_optimizer=opt is not None)
+    state = _model_state(model, cfg, comm, policy, zero=zero, training=training, has_optimizer=opt is not None,
+                         norm=tp_setup.norm_scope(model, mesh, layout))
     if opt is not None:
         if state.stage > 0:
             check_supported(opt, cfg.zero_allow_untested_optimizer)
@@ -141,15 +151,26 @@ def _config_source(args: Any, config: Any, config_params: Any) -> Any:
     return source
 
 
-def _parallel_dims(cfg: Config, world_size: int) -> ParallelDims:
-    """The mesh's degrees from the config sections that name them (every one is 1 until its
-    parallelism lands: ``check_implemented`` refuses the sections). Expert parallelism's degree
-    comes from the model's MoE layers (``ep_size``), not from the config."""
-    tp = cfg.tensor_parallel.autotp_size or 1  # 0 means off
-    stages = cfg.pipeline.stages if cfg.pipeline is not None else 1
-    pp = stages if isinstance(stages, int) else 1  # "auto": from the PipelineModule, later
-    sp = cfg.sequence_parallel_size or 1
-    return ParallelDims(world_size=world_size, tp=tp, pp=pp, sp=sp)
+def _tensor_parallel_settings(source: Any) -> dict[str, Any]:
+    """The ``tensor_parallel`` section as written (its degree is needed before the batch arithmetic,
+    which runs over the data-parallel ranks only; the section itself is validated with the config)."""
+    if isinstance(source, Config):
+        return source.tensor_parallel.model_dump()
+    section = read_source(source).get("tensor_parallel") or {}
+    if not isinstance(section, dict):
+        return {}
+    size = section.get("autotp_size", 0)
+    return {**section, "autotp_size": size if isinstance(size, int) and not isinstance(size, bool) else 0}
+
+
+def _pipeline_stages(source: Any) -> int:
+    """``pipeline.stages`` when it is a number (pipeline parallelism is refused by name until it lands)."""
+    if isinstance(source, Config):
+        stages = source.pipeline.stages if source.pipeline is not None else 1
+    else:
+        section = read_source(source).get("pipeline") or {}
+        stages = section.get("stages", 1) if isinstance(section, dict) else 1
+    return stages if isinstance(stages, int) and not isinstance(stages, bool) and stages >= 1 else 1
 
 
 def _timers(cfg: Config) -> PhaseTimers:
@@ -226,7 +247,7 @@ def _broadcast_from_rank0(model: nn.Module, comm: Comm) -> None:
 
 
 def _model_state(model: nn.Module, cfg: Config, comm: Comm, policy: MixedPrecisionPolicy, *, zero: ZeroPolicy,
-                 training: TrainingPolicy, has_optimizer: bool = True) -> ModelState:
+                 training: TrainingPolicy, has_optimizer: bool = True, norm: NormScope = NormScope()) -> ModelState:
     """Stage 0 keeps everything on every rank; stages 1-3 shard (see zerospeed.zero)."""
     stage = zero.stage
     if stage == 0:
@@ -235,7 +256,7 @@ def _model_state(model: nn.Module, cfg: Config, comm: Comm, policy: MixedPrecisi
             if partition is not None:
                 p.data = partition.take_full().to(p.dtype)
                 clear_owner(p)
-        return _replicated(model, cfg, comm, policy, zero=zero)
+        return _replicated(model, cfg, comm, policy, zero=zero, norm=norm)
     from zerospeed.offload.store import StateStore
     from zerospeed.zero.eager import StepOverlap
     from zerospeed.zero.sharded import ShardedState
@@ -252,7 +273,8 @@ def _model_state(model: nn.Module, cfg: Config, comm: Comm, policy: MixedPrecisi
                                  sub_group_size=zero.sub_group_size)
     return ShardedState(model, comm, stage=stage, master_dtype=policy.master_dtype,
                         accum_dtype=policy.grad_accum_dtype, reduction=reduction_policy(cfg, policy),
-                        zero_cfg=zero, external=external_parameters(model), store=store, overlap_step=overlap)
+                        zero_cfg=zero, external=external_parameters(model), store=store, overlap_step=overlap,
+                        norm=norm)
 
 
 def _optimizer_offload(zero: ZeroPolicy) -> bool:
@@ -281,9 +303,9 @@ def reduction_policy(cfg: Config, policy: MixedPrecisionPolicy) -> ReductionPoli
 
 
 def _replicated(module: nn.Module, cfg: Config, comm: Comm, policy: MixedPrecisionPolicy, *,
-                zero: ZeroPolicy) -> ReplicatedState:
+                zero: ZeroPolicy, norm: NormScope = NormScope()) -> ReplicatedState:
     return ReplicatedState(module, comm, master_dtype=policy.master_dtype, accum_dtype=policy.grad_accum_dtype,
-                           bucket_elems=zero.reduce_bucket_size, reduction=reduction_policy(cfg, policy))
+                           bucket_elems=zero.reduce_bucket_size, reduction=reduction_policy(cfg, policy), norm=norm)
 
 
 def _build_optimizer(optimizer: Any, model_parameters: Any, trainable: list[nn.Parameter],

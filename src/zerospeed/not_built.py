@@ -13,10 +13,4 @@ def init_inference(model: Any = None, config: Any = None, **kwargs: Any) -> NoRe
                               "through zerospeed.initialize at ZeRO stage 3 for models larger than one device")
 
 
-def tp_model_init(model: Any = None, tp_size: int = 1, dtype: Any = None, config: Any = None, **kwargs: Any) -> NoReturn:
-    """DeepSpeed's AutoTP model initialization."""
-    raise NotImplementedError("deepspeed.tp_model_init / zerospeed.tp_model_init: tensor parallelism is not built "
-                              "yet; use data parallelism with ZeRO (zero_optimization.stage 1-3) instead")
-
-
-__all__ = ["init_inference", "tp_model_init"]
+__all__ = ["init_inference"]

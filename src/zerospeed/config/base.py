@@ -179,6 +179,8 @@ class LooseSection(Section):
 def dump_value(value: Any) -> Any:
     if isinstance(value, Section):
         return value.to_dict()
+    if isinstance(value, tuple) and any(isinstance(v, Section) for v in value):  # a list of sections
+        return [dump_value(v) for v in value]
     return thaw(value)
 
 

@@ -125,8 +125,7 @@ def _parallel_features(cfg: Config) -> list[str]:
     out: list[str] = []
     if cfg.pipeline is not None:
         out.append("pipeline")
-    if cfg.tensor_parallel.autotp_size > 0:
-        out.append("tensor_parallel")
+    out += _tensor_parallel_features(cfg)
     if cfg.expert_parallel is not None:
         out.append("expert_parallel")
     if cfg.sequence_parallel_size is not None and cfg.sequence_parallel_size > 1:
@@ -136,6 +135,32 @@ def _parallel_features(cfg: Config) -> list[str]:
         "synchronize_checkpoint_boundary", "profile"))
     if cfg.aio.use_gds:
         out.append("aio.use_gds")
+    return out
+
+
+def _tensor_parallel_features(cfg: Config) -> list[str]:
+    """AutoTP itself is ``tensor_parallel``; each option beyond plain splitting is named on its own."""
+    tp = cfg.tensor_parallel
+    out: list[str] = []
+    if tp.autotp_size > 0:
+        out.append("tensor_parallel")
+    out += _flags("tensor_parallel", tp, ("tp_overlap_comm", "keep_module_on_host", "replace_with_kernel_inject"))
+    if tp.vocab_parallel_lm_head is not None:
+        out.append(f"tensor_parallel.vocab_parallel_lm_head={tp.vocab_parallel_lm_head}")
+    if tp.vocab_parallel_ce_backend != "torch":
+        out.append(f"tensor_parallel.vocab_parallel_ce_backend={tp.vocab_parallel_ce_backend}")
+    if tp.injection_policy_tuple is not None:
+        out.append("tensor_parallel.injection_policy_tuple")
+    if tp.partition_config is not None:
+        out.append("tensor_parallel.partition_config")
+    if tp.preset_model is not None:
+        out.append(f"tensor_parallel.preset_model={tp.preset_model}")
+    group = tp.tensor_parallel
+    if group.tp_grain_size > 1:
+        out.append("tensor_parallel.tensor_parallel.tp_grain_size")
+    for name in ("mpu", "tp_group"):
+        if getattr(group, name) is not None:
+            out.append(f"tensor_parallel.tensor_parallel.{name}")
     return out
 
 

@@ -13,6 +13,7 @@ from typing import Annotated
 from pydantic import Field
 
 from .base import LooseSection, Section
+from .schema_tp import TensorParallelConfig  # its own module (partition_config is large); kept importable here
 from .values import (
     Auto,
     zbool,
@@ -235,13 +236,6 @@ class CompileConfig(LooseSection):
     deepcompile: Annotated[bool, zbool()] = False
 
 
-class TensorParallelConfig(LooseSection):
-    """``tensor_parallel``: AutoTP training (``autotp_size`` 0 = off)."""
-
-    autotp_size: Annotated[int, zint(ge=0)] = 0
-    tp_overlap_comm: Annotated[bool, zbool()] = False
-
-
 class DataStatesConfig(LooseSection):
     """``datastates`` asynchronous checkpointing (not implemented)."""
 
@@ -270,3 +264,6 @@ class QuantizeTrainingConfig(LooseSection):
 class OpaqueSection(LooseSection):
     """A section kept verbatim: ``compression_training``, ``weight_quantization``,
     ``sparse_attention``, ``expert_parallel``... Present means requested."""
+
+
+__all__ = [name for name in dir() if name.endswith("Config") or name == "OpaqueSection"]

@@ -39,7 +39,9 @@ def section_at(root: type[Section], loc: Sequence[str | int]) -> type[Section] |
     """The section class reached by following ``loc`` (user keys) from ``root``."""
     current: type[Section] | None = root
     for part in loc:
-        if current is None or not isinstance(part, str):
+        if isinstance(part, int):  # an item of a list of sections (tensor_parallel...layer_specs[0])
+            continue
+        if current is None:
             return None
         found = current.field_for_key(part)
         if found is None:

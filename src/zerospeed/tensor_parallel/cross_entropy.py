@@ -20,7 +20,7 @@ from zerospeed.tensor_parallel.group import TPGroup, tp_comm
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, comm: Comm,  # type: ignore[override]
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, comm: Comm,
                 ignore_index: int) -> torch.Tensor:
         logits = logits.float()
         vocab_local = logits.shape[-1]
@@ -42,7 +42,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         softmax, local_target, outside, ignored = ctx.saved_tensors
         out = softmax.clone()
         hit = (~outside).to(out.dtype)

@@ -35,6 +35,9 @@ class TensorParallelLayer(nn.Module):
     """A module whose parameters are slices of a larger tensor split over a tensor-parallel group."""
 
     tp: Comm | None
+    #: Equal tensors fused along the split dimension, each split on its own (AutoTP's GPT-2 ``c_attn``:
+    #: q, k and v), so a rank's slice is its piece of each; 1 for a plain split.
+    fused_parts: int = 1
 
     @property
     def tp_size(self) -> int:

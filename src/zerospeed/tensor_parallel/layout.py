@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
+import torch
 from torch import nn
 
 from zerospeed.tensor_parallel.layers import TensorParallelLayer
@@ -26,20 +27,31 @@ class ParamSplit:
     dim: int
     rank: int
     degree: int
+    parts: int = 1  # equal tensors fused along ``dim``, each split on its own (see ``local_slice``)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.degree:
             raise ValueError(f"ParamSplit rank {self.rank} outside degree {self.degree}")
+        if self.parts < 1:
+            raise ValueError(f"ParamSplit parts {self.parts} must be >= 1")
+
+    def local_slice(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the full tensor: chunk ``rank`` of ``degree`` along ``dim``, taken from each
+        of the ``parts`` fused tensors and concatenated (with one part: a plain chunk)."""
+        pieces = [part.chunk(self.degree, dim=self.dim)[self.rank] for part in full.chunk(self.parts, dim=self.dim)]
+        return torch.cat(pieces, dim=self.dim)
 
     def full_shape(self, local: tuple[int, ...]) -> tuple[int, ...]:
         """The full tensor's shape, from this slice's."""
         return tuple(n * self.degree if d == self.dim else n for d, n in enumerate(local))
 
     def blocks(self, shape: tuple[int, ...]) -> tuple[int, int, int]:
-        """``(outer, split, inner)``: the full tensor viewed as ``[outer, split, inner]`` around ``dim``
-        (``split`` is the full size of the split dimension). Slice ``r`` holds ``split / degree``
-        consecutive rows of the middle axis: one contiguous run per outer index."""
-        return math.prod(shape[: self.dim]), shape[self.dim], math.prod(shape[self.dim + 1:])
+        """``(outer, split, inner)``: the full tensor (of ``shape``) viewed as ``[outer, split, inner]`` so
+        that slice ``r`` is chunk ``r`` of ``degree`` equal chunks of the middle axis, and the slice's
+        own flattened values are ``[outer, split / degree, inner]`` in order: one contiguous run per
+        outer index. ``parts`` fused tensors count as outer rows (each is split on its own)."""
+        split = shape[self.dim] // self.parts
+        return math.prod(shape[: self.dim]) * self.parts, split, math.prod(shape[self.dim + 1:])
 
 
 @dataclass(frozen=True)
@@ -61,7 +73,9 @@ class TPLayout:
         return frozenset(name for name in names if name not in self.splits)
 
     def to_json(self) -> dict:
-        return {"degree": self.degree, "splits": {name: s.dim for name, s in self.splits.items()}}
+        return {"degree": self.degree, "splits": {name: s.dim for name, s in self.splits.items()},
+                **({"fused_parts": {name: s.parts for name, s in self.splits.items() if s.parts > 1}}
+                   if any(s.parts > 1 for s in self.splits.values()) else {})}
 
 
 def tp_layout(model: nn.Module, degree: int = 1, rank: int = 0) -> TPLayout:
@@ -83,9 +97,9 @@ def tp_layout(model: nn.Module, degree: int = 1, rank: int = 0) -> TPLayout:
             continue
         seen.add(id(param))
         owner_path, _, attr = name.rpartition(".")
-        layer = layers.get(owner_path)
-        if layer is not None and layer.tp_size > 1 and attr in layer.partition_dims():
-            splits[name] = ParamSplit(layer.partition_dims()[attr], layer.tp_rank, layer.tp_size)
+        owner = layers.get(owner_path)
+        if owner is not None and owner.tp_size > 1 and attr in owner.partition_dims():
+            splits[name] = ParamSplit(owner.partition_dims()[attr], owner.tp_rank, owner.tp_size, owner.fused_parts)
         elif getattr(param, "tensor_model_parallel", False) and degree > 1:
             splits[name] = ParamSplit(int(getattr(param, "partition_dim", 0)), rank, degree)
     return TPLayout(degree, rank, splits)

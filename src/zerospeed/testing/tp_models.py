@@ -37,10 +37,10 @@ class _Linears:
         self.tp = tp_comm(tp_group)
         self.sp = sequence_parallel
 
-    def column(self, i: int, o: int) -> nn.Module:
+    def column(self, i: int, o: int, bias: bool = True) -> nn.Module:
         if self.tp is None:
-            return nn.Linear(i, o)
-        return ColumnParallelLinear(i, o, tp_group=self.tp, sequence_parallel=self.sp)
+            return nn.Linear(i, o, bias=bias)
+        return ColumnParallelLinear(i, o, bias=bias, tp_group=self.tp, sequence_parallel=self.sp)
 
     def row(self, i: int, o: int) -> nn.Module:
         if self.tp is None:
@@ -60,8 +60,10 @@ class Attention(nn.Module):
         self.heads = cfg.heads // tp  # heads on this rank
         self.head_dim = cfg.hidden // cfg.heads
         # one fused projection, its rows laid out per head as [head][q, k, v][head_dim] (Megatron's
-        # layout), so a contiguous slice of rows is whole heads: one collective for q, k and v
-        self.qkv = make.column(cfg.hidden, 3 * cfg.hidden)
+        # layout), so a contiguous slice of rows is whole heads: one collective for q, k and v. No bias:
+        # the key bias's true gradient is zero (softmax ignores a per-query constant), so Adam would
+        # turn its rounding noise into full-size steps and runs could not be compared.
+        self.qkv = make.column(cfg.hidden, 3 * cfg.hidden, bias=False)
         self.o = make.row(cfg.hidden, cfg.hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from zerospeed.zero.contract import CheckpointGroups, ParamOwner
 from zerospeed.zero.grads import GradBuckets, ReductionPolicy
 from zerospeed.zero.memory import storage_bytes
 from zerospeed.zero.owner import clear_owner, set_owner
-from zerospeed.zero.step_grads import StepGrads
+from zerospeed.zero.step_grads import NormScope, StepGrads
 
 
 class ReplicatedState:
@@ -29,9 +29,12 @@ class ReplicatedState:
     stage = 0
 
     def __init__(self, model: nn.Module, comm: Comm, *, master_dtype: torch.dtype, accum_dtype: torch.dtype,
-                 bucket_elems: int, reduction: ReductionPolicy):
+                 bucket_elems: int, reduction: ReductionPolicy, norm: NormScope = NormScope()):
+        """``norm``: how the global gradient norm counts parameters when the model is split beyond data
+        parallelism (after the all-reduce every data-parallel rank holds the same averaged gradients)."""
         self.module = model
         self.comm = comm
+        self.norm = norm
         self.model_params = [p for p in model.parameters() if p.requires_grad]
         if self.model_params and self.model_params[0].dtype != master_dtype:
             self.master_params = [nn.Parameter(p.detach().to(master_dtype).clone()) for p in self.model_params]
@@ -72,11 +75,25 @@ class ReplicatedState:
     def step_grads(self) -> StepGrads:
         """The averaged gradients, as flat tensors this rank may scale in place."""
         self.buckets.finish()
-        return StepGrads.in_memory(self.buckets.flat_buffers())
+        return StepGrads.in_memory(self.buckets.flat_buffers(), self._norm_skip())
+
+    def _norm_skip(self) -> list[list[tuple[int, int]]]:
+        """Per bucket, the slots of parameters another rank counts in the norm (buckets are re-laid
+        after the first window, so this is read each step)."""
+        skip: list[list[tuple[int, int]]] = [[] for _ in self.buckets.reducer.buckets]
+        if not self.norm.counted_elsewhere:
+            return skip
+        for name, p in self.module.named_parameters():
+            if name in self.norm.counted_elsewhere and p.requires_grad:
+                b, slot = self.buckets.reducer.where(p)
+                s = self.buckets.reducer.buckets[b].slots[slot]
+                skip[b].append((s.offset, s.end))
+        return [sorted(ranges) for ranges in skip]
 
     def sum_over_ranks(self, local: torch.Tensor) -> torch.Tensor:
-        """Gradients are replicated after the all-reduce: the local value is already the global one."""
-        return local
+        """Gradients are replicated over data parallelism after the all-reduce: only the axes that split
+        the model (``norm.across``) add to the local value."""
+        return self.norm.sum_across(local)
 
     def apply(self) -> None:
         """Run the optimizer on the masters and copy the result into the model."""

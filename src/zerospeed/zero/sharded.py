@@ -34,7 +34,7 @@ from zerospeed.zero.eager import EagerSteps, StepOverlap
 from zerospeed.zero.optimizer import ZeroOptimizer
 from zerospeed.zero.params import ParamCoordinator, PrefetchPolicy
 from zerospeed.zero.sharded_grads import GradSharding, ShardedGrads
-from zerospeed.zero.step_grads import StepGrads
+from zerospeed.zero.step_grads import NormScope, StepGrads
 
 log = logging.getLogger("zerospeed")
 
@@ -50,14 +50,16 @@ class ShardedState:
     def __init__(self, model: nn.Module, comm: Comm, *, stage: int, master_dtype: torch.dtype,
                  accum_dtype: torch.dtype, reduction: ReductionPolicy, zero_cfg: ZeroPolicy,
                  external: dict[int, list[nn.Parameter]] | None = None, store: StateStore | None = None,
-                 overlap_step: StepOverlap | None = None):
+                 overlap_step: StepOverlap | None = None, norm: NormScope = NormScope()):
         """``store``: where state lives (default: all on the parameters' device); ``overlap_step``:
-        whether the (offloaded) optimizer step may overlap backward (default: no)."""
+        whether the (offloaded) optimizer step may overlap backward (default: no); ``norm``: how the
+        global gradient norm counts parameters when the model is split beyond data parallelism."""
         if stage not in (1, 2, 3):
             raise ValueError(f"ShardedState is for ZeRO stages 1-3, got {stage}")
         self.stage = stage
         self.module = model
         self.comm = comm
+        self.norm = norm
         bucket = max(zero_cfg.reduce_bucket_size, 1)
         threshold = zero_cfg.param_persistence_threshold if stage == 3 else 0
         # stages 1-2: a unit is one reduce-scatter and one all-gather, so small ones are joined (stage
@@ -85,7 +87,11 @@ class ShardedState:
                                   policy=reduction, overlap=overlap,
                                   max_in_flight_elems=zero_cfg.reduce_bucket_size,
                                   shard_tiers=self.store.optimizer_tiers([p.shard_numel for p in self.plan.units]),
-                                  on_final_shard=self.eager.ready)
+                                  on_final_shard=self.eager.ready,
+                                  norm_skip=[[(piece.shard_offset, piece.shard_offset + piece.numel)
+                                              for piece in plan.pieces(comm.rank)
+                                              if piece.param in norm.counted_elsewhere]
+                                             for plan in self.plan.units])
         self._final_backward_end: float | None = None  # when this window's last backward ended
         # seconds of the last step (for benchmarks): the early updates (wall), how much of them ran
         # before backward ended, how long step() waited for them, the update at the step, and
@@ -206,7 +212,7 @@ class ShardedState:
     def sum_over_ranks(self, local: torch.Tensor) -> torch.Tensor:
         total = local.detach().to(device=self.store.compute.device, dtype=torch.float64).reshape(1).clone()
         self.comm.all_reduce(total)
-        return total[0]
+        return self.norm.sum_across(total[0])
 
     def apply(self) -> None:
         start = time.perf_counter()

@@ -33,7 +33,7 @@ from zerospeed.offload.tier import StateTier
 from zerospeed.zero.flat_param import FlatParamUnit
 from zerospeed.zero.reducer import (Bucket, BufferPool, GradReducer, GradSlot, ReduceScatter, ReducerStateError,
                                     ReductionPolicy, second_backward_error)
-from zerospeed.zero.step_grads import StepGrads
+from zerospeed.zero.step_grads import Ranges, StepGrads, counted_norm
 
 _BufferPool = BufferPool  # the name tests and older code import from here
 
@@ -130,12 +130,15 @@ class ShardedGrads:
                  accum_dtype: torch.dtype = torch.float32, policy: ReductionPolicy = ReductionPolicy(),
                  overlap: bool = True, max_in_flight_elems: int = 500_000_000,
                  shard_tiers: Sequence[StateTier] | None = None,
-                 on_final_shard: Callable[[int], None] | None = None):
+                 on_final_shard: Callable[[int], None] | None = None,
+                 norm_skip: Sequence[Ranges] | None = None):
         """``overlap=False`` (``overlap_comm: false``) waits for each reduction as it is launched.
         ``shard_tiers``: per unit, where stages 2-3 keep the gradient shard (the optimizer's tier: CPU
         memory under ``offload_optimizer``, so each unit's reduced gradient moves there as it completes).
-        ``on_final_shard(u)``: called when unit ``u``'s shard is final (the early optimizer step listens)."""
+        ``on_final_shard(u)``: called when unit ``u``'s shard is final (the early optimizer step listens).
+        ``norm_skip``: per unit, ranges of this rank's shard another rank counts in the global norm."""
         self.comm = comm
+        self.norm_skip: list[Ranges] = list(norm_skip) if norm_skip is not None else [()] * len(units)
         self.sharding = sharding
         self.policy = policy
         self._on_final_shard = on_final_shard
@@ -214,7 +217,7 @@ class ShardedGrads:
         elif g.swapped is not None:
             value = g.swapped.store_grad(g.index, out.to("cpu"), accumulate=accumulate, accum_dtype=g.dtype)
             if self.final:
-                g.final_norm = torch.linalg.vector_norm(value, dtype=torch.float32)
+                g.final_norm = counted_norm(value.reshape(-1), self.norm_skip[g.index])
         else:
             if out.device != g.shard.device:  # an offloaded gradient shard: this unit's part moves now
                 out = out.to(g.shard.device)
@@ -258,7 +261,7 @@ class ShardedGrads:
         entries = [(g.shard, (g.final_norm if g.final_norm is not None else torch.zeros(()))
                     if g.swapped is not None else None) for g in self.units]
         device = next((g.device for g in self.units), torch.device("cpu"))
-        self._step_grads = StepGrads(entries, device)
+        self._step_grads = StepGrads(entries, device, self.norm_skip)
         return self._step_grads
 
     def prepare(self, unit_index: int) -> None:
