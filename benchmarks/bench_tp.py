@@ -9,7 +9,10 @@ same processes:
   ``RowwiseParallel(input_layouts=Replicate())`` (vocabulary rows split), the LM head
   ``ColwiseParallel(output_layouts=Shard(-1))`` and its cross-entropy under ``loss_parallel()``;
 * ``zerospeed``: ``TinyGPT(cfg, tp_group=mesh)``: ``ColumnParallelLinear`` / ``RowParallelLinear``, a
-  ``VocabParallelEmbedding`` and ``vocab_parallel_cross_entropy`` on the head's vocabulary slice.
+  ``VocabParallelEmbedding`` and ``vocab_parallel_cross_entropy`` on the head's vocabulary slice,
+  with a plain ``torch.optim.AdamW``;
+* ``engine``: the same zerospeed model through ``zerospeed.initialize(..., mpu=mesh)`` (ZeRO stage 0,
+  the same AdamW passed as a callable, ``gradient_clipping: 0``): what a user of the engine pays on top.
 
 So both sides split the same weights the same way (vocabulary-parallel embedding, head and loss;
 position embedding and norms replicated) and start from the same weights. Each step is forward +
@@ -33,6 +36,7 @@ import statistics
 import sys
 import time
 import warnings
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # so ranks can import this module by name
@@ -42,7 +46,8 @@ import torch.distributed as dist
 
 from zerospeed.testing import run_distributed
 
-SIDES = ("dtensor", "zerospeed")
+SIDES = ("dtensor", "zerospeed", "engine")
+LABELS = {"dtensor": "DTensor", "zerospeed": "zerospeed layers", "engine": "zerospeed engine"}
 PHASES = ("forward", "backward", "step")
 LOSS_TOLERANCE = 1e-4
 SEED = 1234
@@ -100,6 +105,34 @@ class _DTensorSide:
         return {n: (p.to_local() if hasattr(p, "to_local") else p).detach() for n, p in self.model.named_parameters()}
 
 
+class _EngineSide:
+    def __init__(self, spec: dict, mesh):
+        import zerospeed
+        from zerospeed.testing.tp_models import TinyGPT
+        torch.manual_seed(SEED)
+        config = {"train_micro_batch_size_per_gpu": spec["batch"], "gradient_accumulation_steps": 1,
+                  "gradient_clipping": 0.0, "steps_per_print": 10**9, "zero_optimization": {"stage": 0}}
+        self.engine, _, _, _ = zerospeed.initialize(model=TinyGPT(_config(spec), tp_group=mesh), config=config,
+                                                    optimizer=lambda params: torch.optim.AdamW(params, **ADAMW),
+                                                    mpu=mesh)
+
+    def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.engine(ids, targets)
+
+    def step(self, ids: torch.Tensor, targets: torch.Tensor) -> tuple[float, float, float]:
+        t0 = time.perf_counter()
+        loss = self.engine(ids, targets)
+        t1 = time.perf_counter()
+        self.engine.backward(loss)
+        t2 = time.perf_counter()
+        self.engine.step()
+        t3 = time.perf_counter()
+        return t1 - t0, t2 - t1, t3 - t2
+
+    def local_params(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach() for n, p in self.engine.module.named_parameters()}
+
+
 class _ZeroSide:
     def __init__(self, spec: dict, mesh):
         from zerospeed.testing.tp_models import TinyGPT
@@ -132,14 +165,18 @@ def _bench(spec: dict) -> dict:
     from zerospeed.testing.tp_models import token_batch
 
     torch.set_num_threads(spec["threads"])
-    logging.getLogger("zerospeed").setLevel(logging.WARNING)
+    quiet = logging.StreamHandler()  # zerospeed's warnings still show; the engine's resolved-config dump does not
+    quiet.setLevel(logging.WARNING)
+    logging.getLogger("zerospeed").addHandler(quiet)
     world = dist.get_world_size()
     mesh = ParallelDims(world_size=world, tp=world).build()
     tp_comm = mesh.comm("tp")
     device_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     cfg = _config(spec)
     batches = [token_batch(i, spec["batch"], cfg, seed=SEED) for i in range(N_BATCHES)]
-    sides = {"dtensor": _DTensorSide(spec, device_mesh), "zerospeed": _ZeroSide(spec, mesh)}
+    sides = {"dtensor": _DTensorSide(spec, device_mesh), "zerospeed": _ZeroSide(spec, mesh),
+             "engine": _EngineSide(spec, mesh)}
+    assert sides["engine"].engine.mesh.comm("tp") is tp_comm, "the engine must talk over the mesh it was given"
     numel = sum(p.numel() for p in sides["zerospeed"].model.parameters())  # this rank's share
 
     # same model, same data: the same loss before any step, or the comparison means nothing
@@ -148,16 +185,23 @@ def _bench(spec: dict) -> dict:
         for name, side in sides.items():
             loss = side.loss(*batches[0])
             loss0[name] = float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
-    if abs(loss0["dtensor"] - loss0["zerospeed"]) > LOSS_TOLERANCE:
-        raise AssertionError(f"step-0 losses differ: DTensor {loss0['dtensor']:.6f} vs zerospeed "
-                             f"{loss0['zerospeed']:.6f} (> {LOSS_TOLERANCE}); the sides do not compute the same model")
+    for name in SIDES[1:]:
+        if abs(loss0["dtensor"] - loss0[name]) > LOSS_TOLERANCE:
+            raise AssertionError(f"step-0 losses differ: DTensor {loss0['dtensor']:.6f} vs {LABELS[name]} "
+                                 f"{loss0[name]:.6f} (> {LOSS_TOLERANCE}); the sides do not compute the same model")
 
-    counters = {name: 0 for name in SIDES}  # each side's own batch index, so both see the same sequence
+    counters = {name: 0 for name in SIDES}  # each side's own batch index, so all see the same sequence
+    tp_calls = {name: Counter() for name in SIDES}  # the tp Comm's calls and bytes made by each side's steps
+    tp_bytes = {name: Counter() for name in SIDES}
 
     def run(name: str) -> tuple[float, float, float]:
         ids, targets = batches[counters[name] % N_BATCHES]
         counters[name] += 1
-        return sides[name].step(ids, targets)
+        calls, nbytes = Counter(tp_comm.stats.calls), Counter(tp_comm.stats.bytes)
+        out = sides[name].step(ids, targets)
+        tp_calls[name].update(tp_comm.stats.calls - calls)
+        tp_bytes[name].update(tp_comm.stats.bytes - nbytes)
+        return out
 
     from torch.distributed.tensor.debug import CommDebugMode
     debug = CommDebugMode()
@@ -171,12 +215,13 @@ def _bench(spec: dict) -> dict:
     for name in SIDES:
         for _ in range(spec["warmup"] - (name == "dtensor")):
             run(name)
-    tp_comm.stats.reset()
-    calls_before = tp_comm.calls
+    for name in SIDES:
+        tp_calls[name].clear()
+        tp_bytes[name].clear()
     times: dict[str, list[tuple[float, float, float]]] = {s: [] for s in SIDES}
     rounds: dict[str, list[float]] = {s: [] for s in SIDES}
     for r in range(spec["rounds"]):
-        for name in (SIDES if r % 2 == 0 else SIDES[::-1]):
+        for name in SIDES[r % len(SIDES):] + SIDES[:r % len(SIDES)]:  # each side leads in turn
             dist.barrier()
             per_step = []
             for _ in range(spec["steps"]):
@@ -185,13 +230,16 @@ def _bench(spec: dict) -> dict:
                 per_step.append(time.perf_counter() - start)
                 times[name].append(phases)
             rounds[name].append(statistics.median(per_step))
-    zs_steps = spec["rounds"] * spec["steps"]
-    stats = tp_comm.stats
-    per_step_calls = {op: n / zs_steps for op, n in stats.calls.items()}
-    per_step_bytes = {op: b / zs_steps for op, b in stats.bytes.items()}
-    assert tp_comm.calls - calls_before == stats.total_calls
-    a, b = sides["dtensor"].local_params(), sides["zerospeed"].local_params()
-    diff = max(float((a[n] - b[n]).abs().max()) for n in b)
+    timed = spec["rounds"] * spec["steps"]
+    per_step_calls = {name: {op: n / timed for op, n in tp_calls[name].items()} for name in SIDES[1:]}
+    per_step_bytes = {name: {op: b / timed for op, b in tp_bytes[name].items()} for name in SIDES[1:]}
+    assert not tp_calls["dtensor"], "the DTensor side must not use zerospeed's Comm"
+    ref = sides["dtensor"].local_params()
+    diff = {}
+    for name in SIDES[1:]:
+        mine = sides[name].local_params()
+        assert mine.keys() == ref.keys()
+        diff[name] = max(float((ref[n] - mine[n]).abs().max()) for n in mine)
     return {"times": times, "rounds": rounds, "loss0": loss0, "diff": diff, "numel": numel,
             "calls": per_step_calls, "bytes": per_step_bytes, "threads": torch.get_num_threads(),
             "steps_per_side": counters, "dtensor_calls": dtensor_calls}
@@ -229,33 +277,38 @@ def main() -> None:
           f"vocab {spec['vocab']}, seq {spec['seq']}, batch {spec['batch']}: {res['numel'] / 1e6:.2f} M params per "
           f"rank; tp={world} over gloo, {world} ranks x {res['threads']} thread, torch {torch.__version__}; "
           f"fp32 AdamW")
-    print(f"step-0 loss: DTensor {res['loss0']['dtensor']:.6f}, zerospeed {res['loss0']['zerospeed']:.6f} "
-          f"(|diff| {abs(res['loss0']['dtensor'] - res['loss0']['zerospeed']):.1e} <= {LOSS_TOLERANCE})")
+    loss0 = res["loss0"]
+    print("step-0 loss: " + ", ".join(f"{LABELS[n]} {loss0[n]:.6f}" for n in SIDES) + " (max |diff| from DTensor "
+          f"{max(abs(loss0[n] - loss0['dtensor']) for n in SIDES[1:]):.1e} <= {LOSS_TOLERANCE})")
     print(f"{spec['rounds']} interleaved rounds x {spec['steps']} steps per side (after {spec['warmup']} warm-up "
-          f"steps); times from rank 0, ms")
-    print(f"{'side':<11}{'median':>9}{'p10':>9}{'p90':>9}{'min':>9}{'max':>9}{'round medians (min-max)':>27}")
+          f"steps; each side leads in turn); times from rank 0, ms")
+    print(f"{'side':<18}{'median':>9}{'p10':>9}{'p90':>9}{'min':>9}{'max':>9}{'round medians (min-max)':>27}")
     med = {}
     for side in SIDES:
         steps = [sum(t) * 1e3 for t in res["times"][side]]
         rmeds = [t * 1e3 for t in res["rounds"][side]]
         med[side] = statistics.median(steps)
-        print(f"{side:<11}{med[side]:>9.1f}{_pct(steps, 0.1):>9.1f}{_pct(steps, 0.9):>9.1f}{min(steps):>9.1f}"
-              f"{max(steps):>9.1f}{min(rmeds):>18.1f} - {max(rmeds):.1f}")
-    per_round = [z / d for d, z in zip(res["rounds"]["dtensor"], res["rounds"]["zerospeed"])]
-    print(f"ratio zerospeed / DTensor (target <= 1.0): {statistics.median(per_round):.3f} (median of the "
-          f"{len(per_round)} per-round ratios, range {min(per_round):.3f} - {max(per_round):.3f}); "
-          f"{med['zerospeed'] / med['dtensor']:.3f} from the pooled medians")
+        print(f"{LABELS[side]:<18}{med[side]:>9.1f}{_pct(steps, 0.1):>9.1f}{_pct(steps, 0.9):>9.1f}"
+              f"{min(steps):>9.1f}{max(steps):>9.1f}{min(rmeds):>18.1f} - {max(rmeds):.1f}")
+    for side in SIDES[1:]:
+        per_round = [z / d for d, z in zip(res["rounds"]["dtensor"], res["rounds"][side])]
+        print(f"ratio {LABELS[side]} / DTensor (target <= 1.0): {statistics.median(per_round):.3f} (median of the "
+              f"{len(per_round)} per-round ratios, range {min(per_round):.3f} - {max(per_round):.3f}); "
+              f"{med[side] / med['dtensor']:.3f} from the pooled medians")
     print("phase medians, ms (forward incl. loss | backward | optimizer step + zero grads):")
     for side in SIDES:
         cols = [statistics.median(t[i] for t in res["times"][side]) * 1e3 for i in range(3)]
-        print(f"  {side:<11}" + "".join(f"{p} {c:7.1f}   " for p, c in zip(PHASES, cols)))
-    ops = ", ".join(f"{op} {n:g} ({res['bytes'][op] / 2**20:.2f} MiB)" for op, n in sorted(res["calls"].items()))
-    print(f"zerospeed tp Comm per step: {sum(res['calls'].values()):g} collectives: {ops}")
+        print(f"  {LABELS[side]:<18}" + "".join(f"{p} {c:7.1f}   " for p, c in zip(PHASES, cols)))
+    for side in SIDES[1:]:
+        calls, nbytes = res["calls"][side], res["bytes"][side]
+        ops = ", ".join(f"{op} {n:g} ({nbytes[op] / 2**20:.2f} MiB)" for op, n in sorted(calls.items()))
+        print(f"{LABELS[side]}: tp Comm collectives per step: {sum(calls.values()):g}: {ops}")
     dt_ops = ", ".join(f"{op} {n}" for op, n in sorted(res["dtensor_calls"].items()))
-    print(f"DTensor per step (CommDebugMode, one warm-up step): {sum(res['dtensor_calls'].values())} collectives: "
+    print(f"DTensor: collectives per step (CommDebugMode, one warm-up step): {sum(res['dtensor_calls'].values())}: "
           f"{dt_ops}")
-    print(f"max |param difference| DTensor vs zerospeed after the same {res['steps_per_side']['zerospeed']} steps: "
-          f"{res['diff']:.2e}")
+    for side in SIDES[1:]:
+        print(f"max |param difference| DTensor vs {LABELS[side]} after the same {res['steps_per_side'][side]} steps: "
+              f"{res['diff'][side]:.2e}")
 
 
 if __name__ == "__main__":
