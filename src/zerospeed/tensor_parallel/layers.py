@@ -119,7 +119,7 @@ class ColumnParallelLinear(TensorParallelLayer):
         if self.sequence_parallel:
             x = regions.gather_from_sequence_parallel_region(x, self.tp, self.sequence_dim)
         else:
-            x = regions.copy_to_tensor_parallel_region(x, self.tp)
+            x = regions.copy_to_tensor_parallel_region(x, self.tp, grad_inplace=True)  # F.linear alone reads x
         y = F.linear(x, self.weight, self.bias)
         return regions.gather_from_tensor_parallel_region(y, self.tp, -1) if self.gather_output else y
 
@@ -187,7 +187,7 @@ class RowParallelLinear(TensorParallelLayer):
                 (bias,) = regions.sum_grads_over_group(self.tp, self.bias)
                 y = y + bias
             return y
-        y = regions.reduce_from_tensor_parallel_region(y, self.tp)
+        y = regions.reduce_from_tensor_parallel_region(y, self.tp, inplace=True)  # y: F.linear's, unsaved
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
@@ -256,7 +256,7 @@ class VocabParallelEmbedding(TensorParallelLayer):
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return regions.reduce_scatter_to_sequence_parallel_region(out, self.tp, self.sequence_dim)
-        return regions.reduce_from_tensor_parallel_region(out, self.tp)
+        return regions.reduce_from_tensor_parallel_region(out, self.tp, inplace=True)  # masked_fill's, unsaved
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim} (rows {self.vocab_start}..{self.vocab_end} on "

@@ -9,7 +9,11 @@ all-gather / reduce-scatter pair carrying the same bytes.
 
 Every collective goes through the tensor-parallel :class:`~zerospeed.distributed.comm.Comm`
 (the comm door: counted, timed); on a group of one rank every region is the identity.
-Gradients handed to a backward are cloned before an in-place collective (autograd may hold them).
+Gradients handed to a backward are cloned before an in-place collective (autograd may hold them),
+and so are forward inputs, unless the caller says the tensor is its own: the layers pass
+``inplace=True`` for the partial output of their own matmul (reduced in place, marked dirty for
+autograd) and ``grad_inplace=True`` where the only consumer is their own ``F.linear``, whose
+backward hands over a fresh input gradient (all-reduced in place). Same sums, one copy fewer each.
 """
 
 from __future__ import annotations
@@ -62,23 +66,30 @@ def _summed(x: torch.Tensor, comm: Comm) -> torch.Tensor:
 # -- the regions ------------------------------------------------------------------------------
 class _CopyToRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm) -> torch.Tensor:
-        ctx.comm = comm
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, grad_inplace: bool) -> torch.Tensor:
+        ctx.comm, ctx.grad_inplace = comm, grad_inplace
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _summed(grad, ctx.comm), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        if ctx.grad_inplace and grad.is_contiguous():
+            ctx.comm.all_reduce(grad)  # the caller's F.linear made this gradient; nothing else holds it
+            return grad, None, None
+        return _summed(grad, ctx.comm), None, None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, inplace: bool) -> torch.Tensor:
+        if inplace and x.is_contiguous():
+            comm.all_reduce(x)
+            ctx.mark_dirty(x)
+            return x
         return _summed(x, comm)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad, None, None
 
 
 class _ScatterToRegion(torch.autograd.Function):
@@ -154,14 +165,21 @@ class _SumGradsOverGroup(torch.autograd.Function):
         return (None, *out)
 
 
-def copy_to_tensor_parallel_region(x: torch.Tensor, comm: Comm) -> torch.Tensor:
-    """Forward: identity; backward: all-reduce (a replicated input entering column-parallel weights)."""
-    return x if comm.world_size == 1 else _CopyToRegion.apply(x, comm)
+def copy_to_tensor_parallel_region(x: torch.Tensor, comm: Comm, *, grad_inplace: bool = False) -> torch.Tensor:
+    """Forward: identity; backward: all-reduce (a replicated input entering column-parallel weights).
+
+    ``grad_inplace=True``: the result's only consumer is an op whose backward gives it a gradient
+    nothing else holds (``F.linear``'s input gradient), so backward all-reduces that tensor in place
+    instead of a copy."""
+    return x if comm.world_size == 1 else _CopyToRegion.apply(x, comm, grad_inplace)
 
 
-def reduce_from_tensor_parallel_region(x: torch.Tensor, comm: Comm) -> torch.Tensor:
-    """Forward: all-reduce; backward: identity (partial outputs of row-parallel weights)."""
-    return x if comm.world_size == 1 else _ReduceFromRegion.apply(x, comm)
+def reduce_from_tensor_parallel_region(x: torch.Tensor, comm: Comm, *, inplace: bool = False) -> torch.Tensor:
+    """Forward: all-reduce; backward: identity (partial outputs of row-parallel weights).
+
+    ``inplace=True``: ``x`` is the caller's own fresh tensor (a matmul output that no autograd node
+    saved and nothing else reads), all-reduced in place and returned instead of a summed copy."""
+    return x if comm.world_size == 1 else _ReduceFromRegion.apply(x, comm, inplace)
 
 
 def scatter_to_tensor_parallel_region(x: torch.Tensor, comm: Comm, dim: int = -1) -> torch.Tensor:
