@@ -66,8 +66,24 @@ def _linear_init(weight: torch.Tensor, bias: torch.Tensor | None, init_method: I
         nn.init.uniform_(bias, -bound, bound)
 
 
+def _full_linear(in_features: int, out_features: int, bias: bool, init_method: InitMethod | None,
+                 device: torch.device | str | None, dtype: torch.dtype | None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The full weight and bias an ``nn.Linear(in_features, out_features)`` would start with (on the
+    meta device: shapes only, no draw from the generator)."""
+    weight = torch.empty(out_features, in_features, device=device, dtype=dtype)
+    full_bias = torch.empty(out_features, device=device, dtype=dtype) if bias else None
+    _linear_init(weight, full_bias, init_method)
+    return weight, full_bias
+
+
 def _slice(full: torch.Tensor, dim: int, comm: Comm | None) -> torch.Tensor:
     return full.detach().chunk(degree(comm), dim=dim)[rank(comm)].clone()
+
+
+def _parameter(value: torch.Tensor, like: torch.Tensor) -> nn.Parameter:
+    """``value`` as a parameter, trainable when the tensor it was cut from is (fresh tensors are)."""
+    return nn.Parameter(value, requires_grad=like.requires_grad or not isinstance(like, nn.Parameter))
 
 
 class ColumnParallelLinear(TensorParallelLayer):
@@ -88,26 +104,20 @@ class ColumnParallelLinear(TensorParallelLayer):
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel and degree(self.tp) > 1
         self.sequence_dim = sequence_dim
-        full_w = torch.empty(out_features, in_features, device=device, dtype=dtype)
-        full_b = torch.empty(out_features, device=device, dtype=dtype) if bias else None
-        _linear_init(full_w, full_b, init_method)
-        self.weight = nn.Parameter(_slice(full_w, 0, self.tp))
-        self.bias = nn.Parameter(_slice(full_b, 0, self.tp)) if full_b is not None else None
+        self._take(*_full_linear(in_features, out_features, bias, init_method, device, dtype))
+
+    def _take(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """Keep this rank's rows of the full ``weight`` and ``bias`` (their ``requires_grad`` too)."""
+        self.weight = _parameter(_slice(weight, 0, self.tp), weight)
+        self.bias = _parameter(_slice(bias, 0, self.tp), bias) if bias is not None else None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, tp_group: TPGroup, gather_output: bool = False,
                     sequence_parallel: bool = False, sequence_dim: int = 1) -> "ColumnParallelLinear":
         """This rank's slice of an existing ``nn.Linear`` (AutoTP)."""
-        layer = cls.__new__(cls)
-        TensorParallelLayer.__init__(layer)
-        layer.tp = tp_comm(tp_group)
-        layer.in_features, layer.out_features = linear.in_features, linear.out_features
-        layer.out_per_rank = divide(linear.out_features, degree(layer.tp), "out_features of the Linear")
-        layer.gather_output, layer.sequence_dim = gather_output, sequence_dim
-        layer.sequence_parallel = sequence_parallel and degree(layer.tp) > 1
-        layer.weight = nn.Parameter(_slice(linear.weight, 0, layer.tp), requires_grad=linear.weight.requires_grad)
-        layer.bias = None if linear.bias is None else nn.Parameter(
-            _slice(linear.bias, 0, layer.tp), requires_grad=linear.bias.requires_grad)
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, gather_output,
+                    tp_group=tp_group, sequence_parallel=sequence_parallel, sequence_dim=sequence_dim, device="meta")
+        layer._take(linear.weight, linear.bias)
         return layer
 
     def partition_dims(self) -> Mapping[str, int]:
@@ -150,26 +160,20 @@ class RowParallelLinear(TensorParallelLayer):
         if self.sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear(sequence_parallel=True) needs input_is_parallel=True "
                              "(its input is the column-parallel output, as in Megatron)")
-        full_w = torch.empty(out_features, in_features, device=device, dtype=dtype)
-        full_b = torch.empty(out_features, device=device, dtype=dtype) if bias else None
-        _linear_init(full_w, full_b, init_method)
-        self.weight = nn.Parameter(_slice(full_w, 1, self.tp))
-        self.bias = nn.Parameter(full_b.detach().clone()) if full_b is not None else None
+        self._take(*_full_linear(in_features, out_features, bias, init_method, device, dtype))
+
+    def _take(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """Keep this rank's columns of the full ``weight`` and the whole ``bias``."""
+        self.weight = _parameter(_slice(weight, 1, self.tp), weight)
+        self.bias = _parameter(bias.detach().clone(), bias) if bias is not None else None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, tp_group: TPGroup, input_is_parallel: bool = True,
                     sequence_parallel: bool = False, sequence_dim: int = 1) -> "RowParallelLinear":
         """This rank's slice of an existing ``nn.Linear`` (AutoTP)."""
-        layer = cls.__new__(cls)
-        TensorParallelLayer.__init__(layer)
-        layer.tp = tp_comm(tp_group)
-        layer.in_features, layer.out_features = linear.in_features, linear.out_features
-        layer.in_per_rank = divide(linear.in_features, degree(layer.tp), "in_features of the Linear")
-        layer.input_is_parallel, layer.sequence_dim = input_is_parallel, sequence_dim
-        layer.sequence_parallel = sequence_parallel and degree(layer.tp) > 1
-        layer.weight = nn.Parameter(_slice(linear.weight, 1, layer.tp), requires_grad=linear.weight.requires_grad)
-        layer.bias = None if linear.bias is None else nn.Parameter(
-            linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, input_is_parallel,
+                    tp_group=tp_group, sequence_parallel=sequence_parallel, sequence_dim=sequence_dim, device="meta")
+        layer._take(linear.weight, linear.bias)
         return layer
 
     def partition_dims(self) -> Mapping[str, int]:
@@ -223,23 +227,15 @@ class VocabParallelEmbedding(TensorParallelLayer):
         if padding_idx is not None:
             with torch.no_grad():
                 full[padding_idx].fill_(0)
-        self.weight = nn.Parameter(_slice(full, 0, self.tp))
+        self.weight = _parameter(_slice(full, 0, self.tp), full)
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, *, tp_group: TPGroup, sequence_parallel: bool = False,
                        sequence_dim: int = 1) -> "VocabParallelEmbedding":
         """This rank's rows of an existing ``nn.Embedding`` (AutoTP)."""
-        layer = cls.__new__(cls)
-        TensorParallelLayer.__init__(layer)
-        layer.tp = tp_comm(tp_group)
-        layer.num_embeddings, layer.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
-        layer.padding_idx = embedding.padding_idx
-        per_rank = divide(embedding.num_embeddings, degree(layer.tp), "num_embeddings of the Embedding")
-        layer.vocab_start, layer.vocab_end = rank(layer.tp) * per_rank, (rank(layer.tp) + 1) * per_rank
-        layer.sequence_parallel = sequence_parallel and degree(layer.tp) > 1
-        layer.sequence_dim = sequence_dim
-        layer.weight = nn.Parameter(_slice(embedding.weight, 0, layer.tp),
-                                    requires_grad=embedding.weight.requires_grad)
+        layer = cls(embedding.num_embeddings, embedding.embedding_dim, embedding.padding_idx, tp_group=tp_group,
+                    sequence_parallel=sequence_parallel, sequence_dim=sequence_dim, device="meta")
+        layer.weight = _parameter(_slice(embedding.weight, 0, layer.tp), embedding.weight)
         return layer
 
     def partition_dims(self) -> Mapping[str, int]:
