@@ -18,7 +18,7 @@ backward hands over a fresh input gradient (all-reduced in place). Same sums, on
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -92,53 +92,24 @@ class _ReduceFromRegion(torch.autograd.Function):
         return grad, None, None
 
 
-class _ScatterToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
-        ctx.comm, ctx.dim = comm, dim
-        return split_along(x, dim, comm)
+AlongDim = Callable[[torch.Tensor, int, Comm], torch.Tensor]
+
+
+class _Pair(torch.autograd.Function):
+    """A collective along a dimension in forward and its twin in backward (each ``f(tensor, dim, comm)``):
+    split / all-gather, all-gather / split, and for sequence parallelism all-gather / reduce-scatter
+    (the consumer is tensor-parallel, so the input gradients are partial sums) and reduce-scatter /
+    all-gather."""
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return all_gather_along(grad, ctx.dim, ctx.comm), None, None
-
-
-class _GatherFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
-        ctx.comm, ctx.dim = comm, dim
-        return all_gather_along(x, dim, comm)
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, dim: int, forward: AlongDim, backward: AlongDim
+                ) -> torch.Tensor:
+        ctx.comm, ctx.dim, ctx.twin = comm, dim, backward
+        return forward(x, dim, comm)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return split_along(grad, ctx.dim, ctx.comm), None, None
-
-
-class _GatherFromSequence(torch.autograd.Function):
-    """Sequence shards -> the whole sequence for a tensor-parallel op; its input gradients are
-    partial over the group, so backward sums and re-splits them in one reduce-scatter."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
-        ctx.comm, ctx.dim = comm, dim
-        return all_gather_along(x, dim, comm)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return reduce_scatter_along(grad, ctx.dim, ctx.comm), None, None
-
-
-class _ReduceScatterToSequence(torch.autograd.Function):
-    """Partial sums of the whole sequence -> this rank's summed sequence shard."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
-        ctx.comm, ctx.dim = comm, dim
-        return reduce_scatter_along(x, dim, comm)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return all_gather_along(grad, ctx.dim, ctx.comm), None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+        return ctx.twin(grad, ctx.dim, ctx.comm), None, None, None, None
 
 
 class _SumGradsOverGroup(torch.autograd.Function):
@@ -184,27 +155,27 @@ def reduce_from_tensor_parallel_region(x: torch.Tensor, comm: Comm, *, inplace: 
 
 def scatter_to_tensor_parallel_region(x: torch.Tensor, comm: Comm, dim: int = -1) -> torch.Tensor:
     """Forward: keep this rank's chunk of ``dim``; backward: all-gather along it."""
-    return x if comm.world_size == 1 else _ScatterToRegion.apply(x, comm, dim)
+    return x if comm.world_size == 1 else _Pair.apply(x, comm, dim, split_along, all_gather_along)
 
 
 def gather_from_tensor_parallel_region(x: torch.Tensor, comm: Comm, dim: int = -1) -> torch.Tensor:
     """Forward: all-gather along ``dim``; backward: keep this rank's chunk."""
-    return x if comm.world_size == 1 else _GatherFromRegion.apply(x, comm, dim)
+    return x if comm.world_size == 1 else _Pair.apply(x, comm, dim, all_gather_along, split_along)
 
 
 def scatter_to_sequence_parallel_region(x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
     """Forward: keep this rank's sequence chunk; backward: all-gather along the sequence."""
-    return x if comm.world_size == 1 else _ScatterToRegion.apply(x, comm, dim)
+    return x if comm.world_size == 1 else _Pair.apply(x, comm, dim, split_along, all_gather_along)
 
 
 def gather_from_sequence_parallel_region(x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
     """Forward: all-gather the sequence; backward: reduce-scatter (the consumer is tensor-parallel)."""
-    return x if comm.world_size == 1 else _GatherFromSequence.apply(x, comm, dim)
+    return x if comm.world_size == 1 else _Pair.apply(x, comm, dim, all_gather_along, reduce_scatter_along)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
     """Forward: reduce-scatter along the sequence; backward: all-gather."""
-    return x if comm.world_size == 1 else _ReduceScatterToSequence.apply(x, comm, dim)
+    return x if comm.world_size == 1 else _Pair.apply(x, comm, dim, reduce_scatter_along, all_gather_along)
 
 
 def gather_sequence(x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
