@@ -79,8 +79,8 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     info = init_distributed(dist_init_required=dist_init_required)
     world = group_size()
     tp_settings = _tensor_parallel_settings(source)
-    dims = tp_setup.declared_dims(world, model=model, mpu=mpu, autotp_size=int(tp_settings.get("autotp_size") or 0),
-                                  pipeline_stages=_pipeline_stages(source))
+    # (a config's pipeline section is refused below by check_implemented, so its stages do not count yet)
+    dims = tp_setup.declared_dims(world, model=model, mpu=mpu, autotp_size=int(tp_settings.get("autotp_size") or 0))
     cfg = _resolved_config(source, dims.dp)  # batch arithmetic over the data-parallel ranks
     cfg.check_implemented(IMPLEMENTED)  # refuses pipeline/expert/sequence parallelism by name
     # Collectives time out as the process group was asked to (init_distributed(timeout=...)).
@@ -161,16 +161,6 @@ def _tensor_parallel_settings(source: Any) -> dict[str, Any]:
         return {}
     size = section.get("autotp_size", 0)
     return {**section, "autotp_size": size if isinstance(size, int) and not isinstance(size, bool) else 0}
-
-
-def _pipeline_stages(source: Any) -> int:
-    """``pipeline.stages`` when it is a number (pipeline parallelism is refused by name until it lands)."""
-    if isinstance(source, Config):
-        stages = source.pipeline.stages if source.pipeline is not None else 1
-    else:
-        section = read_source(source).get("pipeline") or {}
-        stages = section.get("stages", 1) if isinstance(section, dict) else 1
-    return stages if isinstance(stages, int) and not isinstance(stages, bool) and stages >= 1 else 1
 
 
 def _timers(cfg: Config) -> PhaseTimers:
