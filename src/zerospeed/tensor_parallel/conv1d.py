@@ -17,13 +17,13 @@ from torch import nn
 from zerospeed.tensor_parallel import regions
 from zerospeed.tensor_parallel.group import TPGroup, degree, divide, rank, tp_comm
 from zerospeed.tensor_parallel.layers import TensorParallelLayer
+from zerospeed.tensor_parallel.layout import ParamSplit
 
 
 def fused_slice(full: torch.Tensor, dim: int, parts: int, tp_rank: int, tp_size: int) -> torch.Tensor:
     """Slice ``tp_rank`` of ``full`` along ``dim`` when ``parts`` equal tensors are fused there: this rank's
     piece of each, concatenated (GPT-2's ``c_attn``: ``[q_r, k_r, v_r]``)."""
-    pieces = [p.chunk(tp_size, dim=dim)[tp_rank] for p in full.detach().chunk(parts, dim=dim)]
-    return torch.cat(pieces, dim=dim).clone()
+    return ParamSplit(dim, tp_rank, tp_size, parts).local_slice(full.detach()).clone()
 
 
 def _param(value: torch.Tensor, like: nn.Parameter) -> nn.Parameter:
