@@ -36,6 +36,7 @@ from torch import nn
 
 import zerospeed
 from zerospeed.testing import run_distributed
+from _report import print_step_table
 
 SIDES = ("ddp", "zerospeed")
 PHASES = ("forward", "backward", "step")
@@ -208,11 +209,6 @@ def _bench(spec: dict) -> dict:
 
 
 # -- report --------------------------------------------------------------------------------
-def _pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * (len(values) - 1) + 0.5))]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2)
@@ -249,14 +245,7 @@ def main() -> None:
           f"clip {spec['clip']}; bucket {spec['bucket_mb']} MB = {elems} elements")
     print(f"{spec['rounds']} interleaved rounds x {spec['steps']} steps per side (after {spec['warmup']} "
           f"warm-up steps); times from rank 0, ms")
-    print(f"{'side':<11}{'median':>9}{'p10':>9}{'p90':>9}{'min':>9}{'max':>9}{'round medians (min-max)':>27}")
-    med = {}
-    for side in SIDES:
-        steps = [sum(t) * 1e3 for t in res["times"][side]]
-        rmeds = [t * 1e3 for t in res["rounds"][side]]
-        med[side] = statistics.median(steps)
-        print(f"{side:<11}{med[side]:>9.1f}{_pct(steps, 0.1):>9.1f}{_pct(steps, 0.9):>9.1f}{min(steps):>9.1f}"
-              f"{max(steps):>9.1f}{min(rmeds):>18.1f} - {max(rmeds):.1f}")
+    med = print_step_table(res["times"], res["rounds"], SIDES)
     per_round = [z / d for d, z in zip(res["rounds"]["ddp"], res["rounds"]["zerospeed"])]
     print(f"ratio zerospeed / DDP: {statistics.median(per_round):.3f} (median of the {len(per_round)} per-round "
           f"ratios, range {min(per_round):.3f} - {max(per_round):.3f}); "

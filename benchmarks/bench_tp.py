@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from zerospeed.testing import run_distributed
+from _report import print_step_table
 
 SIDES = ("dtensor", "zerospeed", "engine")
 LABELS = {"dtensor": "DTensor", "zerospeed": "zerospeed layers", "engine": "zerospeed engine"}
@@ -245,11 +246,6 @@ def _bench(spec: dict) -> dict:
             "steps_per_side": counters, "dtensor_calls": dtensor_calls}
 
 
-def _pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * (len(values) - 1) + 0.5))]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=512)
@@ -282,14 +278,7 @@ def main() -> None:
           f"{max(abs(loss0[n] - loss0['dtensor']) for n in SIDES[1:]):.1e} <= {LOSS_TOLERANCE})")
     print(f"{spec['rounds']} interleaved rounds x {spec['steps']} steps per side (after {spec['warmup']} warm-up "
           f"steps; each side leads in turn); times from rank 0, ms")
-    print(f"{'side':<18}{'median':>9}{'p10':>9}{'p90':>9}{'min':>9}{'max':>9}{'round medians (min-max)':>27}")
-    med = {}
-    for side in SIDES:
-        steps = [sum(t) * 1e3 for t in res["times"][side]]
-        rmeds = [t * 1e3 for t in res["rounds"][side]]
-        med[side] = statistics.median(steps)
-        print(f"{LABELS[side]:<18}{med[side]:>9.1f}{_pct(steps, 0.1):>9.1f}{_pct(steps, 0.9):>9.1f}"
-              f"{min(steps):>9.1f}{max(steps):>9.1f}{min(rmeds):>18.1f} - {max(rmeds):.1f}")
+    med = print_step_table(res["times"], res["rounds"], SIDES, LABELS, width=18)
     for side in SIDES[1:]:
         per_round = [z / d for d, z in zip(res["rounds"]["dtensor"], res["rounds"][side])]
         print(f"ratio {LABELS[side]} / DTensor (target <= 1.0): {statistics.median(per_round):.3f} (median of the "
