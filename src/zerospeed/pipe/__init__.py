@@ -1,0 +1,1 @@
+"""Pipeline parallelism (package marker; the real init comes from another branch)."""
