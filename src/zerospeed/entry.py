@@ -73,6 +73,7 @@ def initialize(args: Any = None, model: nn.Module | None = None,
         raise TypeError("zerospeed.initialize got a model as its first argument (args); pass it as model=...")
     if model is None:
         raise ValueError("zerospeed.initialize needs model=... (an nn.Module)")
+    _refuse_pipeline_module(model)
     from zerospeed.tensor_parallel import setup as tp_setup
 
     source = _config_source(args, config, config_params)
@@ -129,6 +130,16 @@ def initialize(args: Any = None, model: nn.Module | None = None,
         if offload or state.stage == 3 and zero.offload_param.enabled:
             log.info("offload: %s", state.describe_offload())
     return engine, opt, loader, sched
+
+
+def _refuse_pipeline_module(model: nn.Module) -> None:
+    """A ``PipelineModule`` holds one stage's layers: training it as a plain module would be wrong."""
+    from zerospeed.pipe.module import PipelineModule
+
+    if isinstance(model, PipelineModule):
+        raise NotImplementedError("zerospeed.initialize got a PipelineModule: the pipeline engine (train_batch / "
+                                  "eval_batch over the schedules in zerospeed.pipe) is not built yet; train the "
+                                  "plain model (nn.Sequential of the same layers) until it lands")
 
 
 def _config_source(args: Any, config: Any, config_params: Any) -> Any:

@@ -1,14 +1,22 @@
-"""Pipeline parallelism. So far: the pure part -- instructions, schedules as data, and a simulator that
-checks them (no torch, no processes); the interpreter and engine that execute them come later."""
+"""Pipeline parallelism (DeepSpeed's ``deepspeed.pipe``). So far: ``PipelineModule`` with ``LayerSpec`` /
+``TiedLayerSpec``, the topologies and partition methods, and the pure schedules (instructions as data,
+GPipe, 1F1B, interleaved 1F1B, ZB-H1) with a simulator that checks them. The interpreter and the
+``PipelineEngine`` that run them are not built yet: ``zerospeed.initialize`` refuses a ``PipelineModule``."""
 
 from .instructions import (Backward, BackwardInput, BackwardWeight, Forward, Instruction, LoadMicroBatch,
                            OptimizerStep, RecvActivation, RecvGrad, ReduceGrads, ReduceTiedGrads,
                            SendActivation, SendGrad)
+from .module import LayerSpec, PipelineModule, TiedLayerSpec
+from .partition import PartitionMethod, StagePlan, partition_balanced, partition_uniform, plan_stages
 from .schedules import (DEFAULT_SCHEDULE, SCHEDULES, Schedule, ScheduleError, gpipe, inference,
                         interleaved_1f1b, one_f_one_b, schedule_for, zero_bubble_h1)
 from .simulate import Costs, Deadlock, ScheduleViolation, SimResult, simulate
+from .topology import PipeDataParallelTopology, PipeModelDataParallelTopology, ProcessTopology
 
 __all__ = [
+    "PipelineModule", "LayerSpec", "TiedLayerSpec", "ProcessTopology", "PipeDataParallelTopology",
+    "PipeModelDataParallelTopology", "PartitionMethod", "StagePlan", "partition_balanced", "partition_uniform",
+    "plan_stages",
     "Backward", "BackwardInput", "BackwardWeight", "Forward", "Instruction", "LoadMicroBatch",
     "OptimizerStep", "RecvActivation", "RecvGrad", "ReduceGrads", "ReduceTiedGrads", "SendActivation",
     "SendGrad", "DEFAULT_SCHEDULE", "SCHEDULES", "Schedule", "ScheduleError", "gpipe", "inference",
