@@ -462,17 +462,21 @@ class Comm:
         work = dist.broadcast(tensor, src=root, group=self.group, async_op=True)
         return self._run("broadcast", seq, work, async_op)
 
-    def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False) -> Handle | None:
-        """Point-to-point send to group rank ``dst`` (not tracked as an arrival: peers differ)."""
-        self.stats.record("send", _nbytes([tensor]))
-        work = dist.isend(tensor.contiguous(), dst=self._global(dst), group=self.group)
-        return self._run(f"send to rank {dst}", None, work, async_op)
+    def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False, tag: int = 0) -> Handle | None:
+        """Point-to-point send to group rank ``dst`` (not tracked as an arrival: peers differ).
 
-    def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Handle | None:
-        """Point-to-point receive from group rank ``src`` into ``tensor``."""
+        Messages with the same (sender, receiver, ``tag``) arrive in the order they were sent; a
+        different tag is a separate channel (pipeline activations and gradients use one each).
+        """
+        self.stats.record("send", _nbytes([tensor]))
+        work = dist.isend(tensor.contiguous(), dst=self._global(dst), group=self.group, tag=tag)
+        return self._run(f"send to rank {dst}{_tag_note(tag)}", None, work, async_op)
+
+    def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False, tag: int = 0) -> Handle | None:
+        """Point-to-point receive from group rank ``src`` into ``tensor`` (on channel ``tag``, see send)."""
         self.stats.record("recv", _nbytes([tensor]))
-        work = dist.irecv(tensor, src=self._global(src), group=self.group)
-        return self._run(f"recv from rank {src}", None, work, async_op)
+        work = dist.irecv(tensor, src=self._global(src), group=self.group, tag=tag)
+        return self._run(f"recv from rank {src}{_tag_note(tag)}", None, work, async_op)
 
     def all_to_all(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
                    async_op: bool = False) -> Handle | None:
@@ -567,6 +571,10 @@ class Comm:
     def _check_parts(self, what: str, parts: list[torch.Tensor]) -> None:
         if len(parts) != self.world_size:
             raise ValueError(f"{what}: got {len(parts)} tensors for a group of {self.world_size} ranks")
+
+
+def _tag_note(tag: int) -> str:
+    return f" (tag {tag})" if tag else ""
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:

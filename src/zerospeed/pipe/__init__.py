@@ -1,12 +1,14 @@
 """Pipeline parallelism (DeepSpeed's ``deepspeed.pipe``). So far: ``PipelineModule`` with ``LayerSpec`` /
 ``TiedLayerSpec``, the topologies and partition methods, and the pure schedules (instructions as data,
-GPipe, 1F1B, interleaved 1F1B, ZB-H1) with a simulator that checks them. The interpreter and the
+GPipe, 1F1B, interleaved 1F1B, ZB-H1) with a simulator that checks them, and ``StageLink`` (point-to-point
+activations and gradients between stages, with a shape handshake). The interpreter and the
 ``PipelineEngine`` that run them are not built yet: ``zerospeed.initialize`` refuses a ``PipelineModule``."""
 
 from .instructions import (Backward, BackwardInput, BackwardWeight, Forward, Instruction, LoadMicroBatch,
                            OptimizerStep, RecvActivation, RecvGrad, ReduceGrads, ReduceTiedGrads,
                            SendActivation, SendGrad)
 from .module import LayerSpec, PipelineModule, TiedLayerSpec
+from .p2p import HeaderMismatch, PendingSend, StageLink
 from .partition import PartitionMethod, StagePlan, partition_balanced, partition_uniform, plan_stages
 from .schedules import (DEFAULT_SCHEDULE, SCHEDULES, Schedule, ScheduleError, gpipe, inference,
                         interleaved_1f1b, one_f_one_b, schedule_for, zero_bubble_h1)
@@ -21,5 +23,5 @@ __all__ = [
     "OptimizerStep", "RecvActivation", "RecvGrad", "ReduceGrads", "ReduceTiedGrads", "SendActivation",
     "SendGrad", "DEFAULT_SCHEDULE", "SCHEDULES", "Schedule", "ScheduleError", "gpipe", "inference",
     "interleaved_1f1b", "one_f_one_b", "schedule_for", "zero_bubble_h1", "Costs", "Deadlock",
-    "ScheduleViolation", "SimResult", "simulate",
+    "ScheduleViolation", "SimResult", "simulate", "StageLink", "PendingSend", "HeaderMismatch",
 ]
