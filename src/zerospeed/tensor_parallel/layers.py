@@ -18,7 +18,7 @@ gradients are summed over the group (one all-reduce per layer, in backward).
 from __future__ import annotations
 
 import math
-from typing import Callable, Mapping
+from typing import Callable, Mapping, TypeVar
 
 import torch
 from torch import nn
@@ -86,7 +86,38 @@ def _parameter(value: torch.Tensor, like: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(value, requires_grad=like.requires_grad or not isinstance(like, nn.Parameter))
 
 
-class ColumnParallelLinear(TensorParallelLayer):
+_L = TypeVar("_L", bound="_ParallelLinear")
+
+
+class _ParallelLinear(TensorParallelLayer):
+    """What the column and row layers share: the group, the sizes, sequence parallelism, and building
+    from the full tensors (drawn as ``nn.Linear`` would, or an existing layer's)."""
+
+    def __init__(self, in_features: int, out_features: int, *, tp_group: TPGroup, sequence_parallel: bool,
+                 sequence_dim: int):
+        super().__init__()
+        self.tp = tp_comm(tp_group)
+        self.in_features, self.out_features = in_features, out_features
+        self.sequence_parallel = sequence_parallel and degree(self.tp) > 1
+        self.sequence_dim = sequence_dim
+
+    def _take(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """Keep this rank's part of the full ``weight`` and ``bias`` (their ``requires_grad`` too)."""
+        raise NotImplementedError
+
+    @classmethod
+    def _split(cls: type[_L], linear: nn.Linear, *, tp_group: TPGroup, sequence_parallel: bool, sequence_dim: int,
+               **options: bool) -> _L:
+        """This rank's part of an existing ``nn.Linear``: the layer is made on the meta device (no draws
+        from the generator), then takes its part of the linear's tensors."""
+        make: Callable[..., _L] = cls  # a subclass: its constructor takes bias, device, options
+        layer = make(linear.in_features, linear.out_features, linear.bias is not None, tp_group=tp_group,
+                     sequence_parallel=sequence_parallel, sequence_dim=sequence_dim, device="meta", **options)
+        layer._take(linear.weight, linear.bias)
+        return layer
+
+
+class ColumnParallelLinear(_ParallelLinear):
     """``y = x A^T + b`` with ``A`` split along its output rows: each rank computes its slice of ``y``.
 
     ``gather_output=True`` all-gathers ``y`` along its last dimension (otherwise the next layer,
@@ -97,13 +128,10 @@ class ColumnParallelLinear(TensorParallelLayer):
                  tp_group: TPGroup = None, sequence_parallel: bool = False, sequence_dim: int = 1,
                  init_method: InitMethod | None = None, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None):
-        super().__init__()
-        self.tp = tp_comm(tp_group)
-        self.in_features, self.out_features = in_features, out_features
-        self.out_per_rank = divide(out_features, degree(self.tp), f"ColumnParallelLinear out_features")
+        super().__init__(in_features, out_features, tp_group=tp_group, sequence_parallel=sequence_parallel,
+                         sequence_dim=sequence_dim)
+        self.out_per_rank = divide(out_features, degree(self.tp), "ColumnParallelLinear out_features")
         self.gather_output = gather_output
-        self.sequence_parallel = sequence_parallel and degree(self.tp) > 1
-        self.sequence_dim = sequence_dim
         self._take(*_full_linear(in_features, out_features, bias, init_method, device, dtype))
 
     def _take(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -115,10 +143,8 @@ class ColumnParallelLinear(TensorParallelLayer):
     def from_linear(cls, linear: nn.Linear, *, tp_group: TPGroup, gather_output: bool = False,
                     sequence_parallel: bool = False, sequence_dim: int = 1) -> "ColumnParallelLinear":
         """This rank's slice of an existing ``nn.Linear`` (AutoTP)."""
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, gather_output,
-                    tp_group=tp_group, sequence_parallel=sequence_parallel, sequence_dim=sequence_dim, device="meta")
-        layer._take(linear.weight, linear.bias)
-        return layer
+        return cls._split(linear, tp_group=tp_group, sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
+                          gather_output=gather_output)
 
     def partition_dims(self) -> Mapping[str, int]:
         return {"weight": 0, "bias": 0} if self.bias is not None else {"weight": 0}
@@ -139,7 +165,7 @@ class ColumnParallelLinear(TensorParallelLayer):
                 f"sequence_parallel={self.sequence_parallel}")
 
 
-class RowParallelLinear(TensorParallelLayer):
+class RowParallelLinear(_ParallelLinear):
     """``y = x A^T + b`` with ``A`` split along its input columns: each rank multiplies its slice of
     ``x`` and the partial results are summed (all-reduce; reduce-scatter along the sequence with
     ``sequence_parallel``). The bias is replicated and added once, after the sum.
@@ -150,13 +176,10 @@ class RowParallelLinear(TensorParallelLayer):
                  tp_group: TPGroup = None, sequence_parallel: bool = False, sequence_dim: int = 1,
                  init_method: InitMethod | None = None, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None):
-        super().__init__()
-        self.tp = tp_comm(tp_group)
-        self.in_features, self.out_features = in_features, out_features
+        super().__init__(in_features, out_features, tp_group=tp_group, sequence_parallel=sequence_parallel,
+                         sequence_dim=sequence_dim)
         self.in_per_rank = divide(in_features, degree(self.tp), "RowParallelLinear in_features")
         self.input_is_parallel = input_is_parallel
-        self.sequence_parallel = sequence_parallel and degree(self.tp) > 1
-        self.sequence_dim = sequence_dim
         if self.sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear(sequence_parallel=True) needs input_is_parallel=True "
                              "(its input is the column-parallel output, as in Megatron)")
@@ -171,10 +194,8 @@ class RowParallelLinear(TensorParallelLayer):
     def from_linear(cls, linear: nn.Linear, *, tp_group: TPGroup, input_is_parallel: bool = True,
                     sequence_parallel: bool = False, sequence_dim: int = 1) -> "RowParallelLinear":
         """This rank's slice of an existing ``nn.Linear`` (AutoTP)."""
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, input_is_parallel,
-                    tp_group=tp_group, sequence_parallel=sequence_parallel, sequence_dim=sequence_dim, device="meta")
-        layer._take(linear.weight, linear.bias)
-        return layer
+        return cls._split(linear, tp_group=tp_group, sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
+                          input_is_parallel=input_is_parallel)
 
     def partition_dims(self) -> Mapping[str, int]:
         return {"weight": 1}
