@@ -27,3 +27,17 @@ def print_step_table(times: Mapping[str, list[list[float]]], rounds: Mapping[str
               f"{percentile(steps, 0.9):>9.1f}{min(steps):>9.1f}{max(steps):>9.1f}"
               f"{min(per_round):>18.1f} - {max(per_round):.1f}")
     return medians
+
+
+def print_ratio(label: str, side_rounds: Sequence[float], peer_rounds: Sequence[float], side_median: float,
+                peer_median: float) -> None:
+    """``ratio <label>``: the median of the per-round ratios side / peer (each round ran both), their
+    range, and the ratio of the pooled medians."""
+    per_round = [s / p for p, s in zip(peer_rounds, side_rounds, strict=True)]
+    print(f"ratio {label}: {statistics.median(per_round):.3f} (median of the {len(per_round)} per-round ratios, "
+          f"range {min(per_round):.3f} - {max(per_round):.3f}); {side_median / peer_median:.3f} from the pooled medians")
+
+
+def phase_medians(times: Sequence[Sequence[float]]) -> list[float]:
+    """Each phase's median over the steps (seconds in, ms out)."""
+    return [statistics.median(t[i] for t in times) * 1e3 for i in range(len(times[0]))]

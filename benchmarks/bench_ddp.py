@@ -36,7 +36,7 @@ from torch import nn
 
 import zerospeed
 from zerospeed.testing import run_distributed
-from _report import print_step_table
+from _report import phase_medians, print_ratio, print_step_table
 
 SIDES = ("ddp", "zerospeed")
 PHASES = ("forward", "backward", "step")
@@ -246,13 +246,10 @@ def main() -> None:
     print(f"{spec['rounds']} interleaved rounds x {spec['steps']} steps per side (after {spec['warmup']} "
           f"warm-up steps); times from rank 0, ms")
     med = print_step_table(res["times"], res["rounds"], SIDES)
-    per_round = [z / d for d, z in zip(res["rounds"]["ddp"], res["rounds"]["zerospeed"])]
-    print(f"ratio zerospeed / DDP: {statistics.median(per_round):.3f} (median of the {len(per_round)} per-round "
-          f"ratios, range {min(per_round):.3f} - {max(per_round):.3f}); "
-          f"{med['zerospeed'] / med['ddp']:.3f} from the pooled medians")
+    print_ratio("zerospeed / DDP", res["rounds"]["zerospeed"], res["rounds"]["ddp"], med["zerospeed"], med["ddp"])
     print("phase medians, ms (forward | backward incl. overlapped all-reduce | clip + optimizer step + zero grads):")
     for side in SIDES:
-        cols = [statistics.median(t[i] for t in res["times"][side]) * 1e3 for i in range(3)]
+        cols = phase_medians(res["times"][side])
         print(f"  {side:<11}" + "".join(f"{p} {c:7.1f}   " for p, c in zip(PHASES, cols)))
         inside = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in res["parts"][side].items())
         print(f"  {'':<11}inside step: {inside}; other {cols[2] - sum(res['parts'][side].values()) * 1e3:.1f}")

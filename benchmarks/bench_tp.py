@@ -30,6 +30,7 @@ per step on the tensor-parallel Comm (``mesh.comm("tp").stats``), and DTensor's 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import statistics
@@ -45,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from zerospeed.testing import run_distributed
-from _report import print_step_table
+from _report import phase_medians, print_ratio, print_step_table
 
 SIDES = ("dtensor", "zerospeed", "engine")
 LABELS = {"dtensor": "DTensor", "zerospeed": "zerospeed layers", "engine": "zerospeed engine"}
@@ -62,12 +63,49 @@ def _config(spec: dict):
                      layers=spec["layers"], ffn=4 * spec["hidden"])
 
 
-# -- the two sides -------------------------------------------------------------------------------
-class _DTensorSide:
+# -- the three sides ------------------------------------------------------------------------------
+class _ModelSide:
+    """A model trained by a plain AdamW: zerospeed's TP layers, or (subclass) DTensor's split, whose
+    loss and its backward must run under ``loss_parallel``."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.opt = torch.optim.AdamW(self.model.parameters(), **ADAMW)
+
+    def context(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with self.context():
+            return self.model(ids, targets)
+
+    def step(self, ids: torch.Tensor, targets: torch.Tensor) -> tuple[float, float, float]:
+        t0 = time.perf_counter()
+        with self.context():  # the loss's backward must run under it too
+            loss = self.model(ids, targets)
+            t1 = time.perf_counter()
+            loss.backward()
+        t2 = time.perf_counter()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+        return t1 - t0, t2 - t1, t3 - t2
+
+    def local_params(self) -> dict[str, torch.Tensor]:
+        return {n: (p.to_local() if hasattr(p, "to_local") else p).detach() for n, p in self.model.named_parameters()}
+
+
+class _ZeroSide(_ModelSide):
+    def __init__(self, spec: dict, mesh):
+        from zerospeed.testing.tp_models import TinyGPT
+        torch.manual_seed(SEED)
+        super().__init__(TinyGPT(_config(spec), tp_group=mesh))
+
+
+class _DTensorSide(_ModelSide):
     def __init__(self, spec: dict, device_mesh):
         from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, loss_parallel,
-                                                       parallelize_module)
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         from zerospeed.testing.tp_models import TinyGPT
         cfg = _config(spec)
@@ -80,30 +118,13 @@ class _DTensorSide:
         for i in range(cfg.layers):
             plan.update({f"blocks.{i}.attn.qkv": ColwiseParallel(), f"blocks.{i}.attn.o": RowwiseParallel(),
                          f"blocks.{i}.mlp.fc1": ColwiseParallel(), f"blocks.{i}.mlp.fc2": RowwiseParallel()})
-        self.model = parallelize_module(model, device_mesh, plan)
+        super().__init__(parallelize_module(model, device_mesh, plan))
         for block in self.model.blocks:  # local heads: the colwise qkv output is this rank's heads
             block.attn.heads = cfg.heads // device_mesh.size()
-        self.loss_parallel = loss_parallel
-        self.opt = torch.optim.AdamW(self.model.parameters(), **ADAMW)
 
-    def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        with self.loss_parallel():
-            return self.model(ids, targets)
-
-    def step(self, ids: torch.Tensor, targets: torch.Tensor) -> tuple[float, float, float]:
-        t0 = time.perf_counter()
-        with self.loss_parallel():  # the loss's backward must run under it too
-            loss = self.model(ids, targets)
-            t1 = time.perf_counter()
-            loss.backward()
-        t2 = time.perf_counter()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        t3 = time.perf_counter()
-        return t1 - t0, t2 - t1, t3 - t2
-
-    def local_params(self) -> dict[str, torch.Tensor]:
-        return {n: (p.to_local() if hasattr(p, "to_local") else p).detach() for n, p in self.model.named_parameters()}
+    def context(self) -> contextlib.AbstractContextManager:
+        from torch.distributed.tensor.parallel import loss_parallel
+        return loss_parallel()
 
 
 class _EngineSide:
@@ -132,31 +153,6 @@ class _EngineSide:
 
     def local_params(self) -> dict[str, torch.Tensor]:
         return {n: p.detach() for n, p in self.engine.module.named_parameters()}
-
-
-class _ZeroSide:
-    def __init__(self, spec: dict, mesh):
-        from zerospeed.testing.tp_models import TinyGPT
-        torch.manual_seed(SEED)
-        self.model = TinyGPT(_config(spec), tp_group=mesh)
-        self.opt = torch.optim.AdamW(self.model.parameters(), **ADAMW)
-
-    def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.model(ids, targets)
-
-    def step(self, ids: torch.Tensor, targets: torch.Tensor) -> tuple[float, float, float]:
-        t0 = time.perf_counter()
-        loss = self.model(ids, targets)
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        t3 = time.perf_counter()
-        return t1 - t0, t2 - t1, t3 - t2
-
-    def local_params(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach() for n, p in self.model.named_parameters()}
 
 
 def _bench(spec: dict) -> dict:
@@ -280,13 +276,11 @@ def main() -> None:
           f"steps; each side leads in turn); times from rank 0, ms")
     med = print_step_table(res["times"], res["rounds"], SIDES, LABELS, width=18)
     for side in SIDES[1:]:
-        per_round = [z / d for d, z in zip(res["rounds"]["dtensor"], res["rounds"][side])]
-        print(f"ratio {LABELS[side]} / DTensor (target <= 1.0): {statistics.median(per_round):.3f} (median of the "
-              f"{len(per_round)} per-round ratios, range {min(per_round):.3f} - {max(per_round):.3f}); "
-              f"{med[side] / med['dtensor']:.3f} from the pooled medians")
+        print_ratio(f"{LABELS[side]} / DTensor (target <= 1.0)", res["rounds"][side], res["rounds"]["dtensor"],
+                    med[side], med["dtensor"])
     print("phase medians, ms (forward incl. loss | backward | optimizer step + zero grads):")
     for side in SIDES:
-        cols = [statistics.median(t[i] for t in res["times"][side]) * 1e3 for i in range(3)]
+        cols = phase_medians(res["times"][side])
         print(f"  {LABELS[side]:<18}" + "".join(f"{p} {c:7.1f}   " for p, c in zip(PHASES, cols)))
     for side in SIDES[1:]:
         calls, nbytes = res["calls"][side], res["bytes"][side]
