@@ -77,6 +77,8 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     from zerospeed.tensor_parallel import setup as tp_setup
 
     source = _config_source(args, config, config_params)
+    if not isinstance(source, Config):  # read a file (or decode base64) once: the degrees and the config need it
+        source = read_source(source)
     info = init_distributed(dist_init_required=dist_init_required)
     world = group_size()
     tp_settings = _tensor_parallel_settings(source)
@@ -162,12 +164,12 @@ def _config_source(args: Any, config: Any, config_params: Any) -> Any:
     return source
 
 
-def _tensor_parallel_settings(source: Any) -> dict[str, Any]:
+def _tensor_parallel_settings(source: Config | dict[str, Any]) -> dict[str, Any]:
     """The ``tensor_parallel`` section as written (its degree is needed before the batch arithmetic,
     which runs over the data-parallel ranks only; the section itself is validated with the config)."""
     if isinstance(source, Config):
         return source.tensor_parallel.model_dump()
-    section = read_source(source).get("tensor_parallel") or {}
+    section = source.get("tensor_parallel") or {}
     if not isinstance(section, dict):
         return {}
     size = section.get("autotp_size", 0)
