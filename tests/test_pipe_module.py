@@ -197,7 +197,7 @@ def test_only_owned_layers_are_built() -> None:
     log: list[tuple[int, str]] = []
     module = PipelineModule(gpt_layers(log), num_stages=2, partition_method="parameters", stage_id=1)
     assert [(i, d) for i, d in log if d != "meta"] == [(3, "cpu"), (4, "cpu")]
-    assert module.local_layers() == range(3, 8)
+    assert module.local_layers() == list(range(3, 8))
     log.clear()
     PipelineModule(gpt_layers(log), num_stages=4, partition_method="uniform", stage_id=0)
     assert log == [(1, "cpu")]  # uniform needs no counting: stage 0 of 4 builds layers 0-1 only
@@ -446,9 +446,16 @@ def test_stage_comes_from_the_rank_when_a_group_is_up() -> None:
     assert [r["topo"] for r in results] == [0, 0, 1, 1]
 
 
-def test_initialize_refuses_a_pipeline_module_until_the_engine_lands() -> None:
+def test_initialize_returns_a_pipeline_engine_that_refuses_the_data_parallel_calls() -> None:
     import zerospeed
+    from zerospeed.pipe.engine import PipelineEngine, PipelineError
 
     module = PipelineModule([LayerSpec(torch.nn.Linear, 4, 4)], num_stages=1)
-    with pytest.raises(NotImplementedError, match="pipeline engine .* is not built yet"):
-        zerospeed.initialize(model=module, config={"train_batch_size": 1})
+    engine, *_ = zerospeed.initialize(model=module, config={"train_batch_size": 1})
+    assert isinstance(engine, PipelineEngine) and engine.is_first_stage() and engine.is_last_stage()
+    with pytest.raises(PipelineError, match=r"call engine.train_batch\(data_iter\)"):
+        engine(torch.zeros(1, 4))
+    with pytest.raises(PipelineError, match="inside engine.train_batch"):
+        engine.backward(torch.zeros(()))
+    with pytest.raises(PipelineError, match="inside engine.train_batch"):
+        engine.step()

@@ -32,6 +32,7 @@ from zerospeed.profiling.timers import NoTimers, PhaseTimers
 from zerospeed.zero.contract import ModelState
 from zerospeed.zero.grads import GradBuckets
 from zerospeed.zero.replicated import ReplicatedState
+from zerospeed.zero.step_grads import StepGrads
 
 if TYPE_CHECKING:
     from zerospeed.checkpoint.commit import BackgroundSave
@@ -183,7 +184,17 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self._step_applied = False
         if not boundary:
             return False
-        grads = self.state.step_grads()
+        return self._apply_window()
+
+    def _window_grads(self) -> StepGrads:
+        """The window's reduced gradients (a pipeline also sums its tied weights' here)."""
+        return self.state.step_grads()
+
+    def _apply_window(self) -> bool:
+        """End an accumulation window: unscale, measure, clip and apply its gradients (or skip the step
+        on an fp16 overflow); True when the weights were updated."""
+        self._step_applied = False
+        grads = self._window_grads()
         if self.scaler.loss_scale != 1.0:
             grads.div_(self.scaler.loss_scale)
         # One number answers both questions: the global norm is finite iff no rank has an inf/nan.

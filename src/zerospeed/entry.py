@@ -34,7 +34,7 @@ log = logging.getLogger("zerospeed")
 
 # Config features this engine honours; anything else a config asks for is refused by name.
 IMPLEMENTED = frozenset({
-    "tensor_parallel", "tensor_parallel.partition_config", "tensor_parallel.preset_model=*",
+    "pipeline", "tensor_parallel", "tensor_parallel.partition_config", "tensor_parallel.preset_model=*",
     "fp16", "bf16", "gradient_clipping", "optimizer.type=*", "scheduler.type=*", "communication_data_type=*",
     "prescale_gradients", "gradient_predivide_factor", "dataloader_drop_last", "bf16.check_grad_overflow",
     "zero_optimization.stage=1", "zero_optimization.stage=2", "zero_optimization.stage=3",
@@ -73,8 +73,11 @@ def initialize(args: Any = None, model: nn.Module | None = None,
         raise TypeError("zerospeed.initialize got a model as its first argument (args); pass it as model=...")
     if model is None:
         raise ValueError("zerospeed.initialize needs model=... (an nn.Module)")
-    _refuse_pipeline_module(model)
+    from zerospeed.pipe import setup as pipe_setup
+    from zerospeed.pipe.module import PipelineModule
     from zerospeed.tensor_parallel import setup as tp_setup
+
+    pipeline = model if isinstance(model, PipelineModule) else None
 
     source = _config_source(args, config, config_params)
     if not isinstance(source, Config):  # read a file (or decode base64) once: the degrees and the config need it
@@ -82,10 +85,18 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     info = init_distributed(dist_init_required=dist_init_required)
     world = group_size()
     tp_settings = _tensor_parallel_settings(source)
-    # (a config's pipeline section is refused below by check_implemented, so its stages do not count yet)
-    dims = tp_setup.declared_dims(world, model=model, mpu=mpu, autotp_size=int(tp_settings.get("autotp_size") or 0))
-    cfg = _resolved_config(source, dims.dp)  # batch arithmetic over the data-parallel ranks
-    cfg.check_implemented(IMPLEMENTED)  # refuses pipeline/expert/sequence parallelism by name
+    dims = tp_setup.declared_dims(world, model=model, mpu=mpu, autotp_size=int(tp_settings.get("autotp_size") or 0),
+                                  pipeline_stages=pipeline.num_stages if pipeline is not None else 1)
+    if pipeline is not None:
+        pipe_setup.check_dims(pipeline, dims)
+    # batch arithmetic over the data-parallel ranks; pipeline.stages "auto" is the module's
+    cfg = _resolved_config(source, dims.dp, {"pipeline.stages": dims.pp})
+    if pipeline is not None and cfg.pipeline is not None and cfg.pipeline.stages != dims.pp:
+        raise ConfigError(f"pipeline.stages={cfg.pipeline.stages} but the PipelineModule has {dims.pp} stages; "
+                          f"set it to {dims.pp} or \"auto\"")
+    cfg.check_implemented(IMPLEMENTED)  # refuses expert/sequence parallelism by name
+    if pipeline is None and cfg.pipeline is not None:
+        log.warning("the config has a \"pipeline\" section but the model is not a PipelineModule: it is ignored")
     # Collectives time out as the process group was asked to (init_distributed(timeout=...)).
     pg_timeout = process_group_timeout()
     mesh = tp_setup.build_mesh(dims, mpu, None if pg_timeout == DEFAULT_TIMEOUT else pg_timeout)
@@ -98,6 +109,11 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     policy = policy_from_config(cfg)
     zero = ZeroPolicy.from_config(cfg.zero_optimization)
     training = TrainingPolicy.from_config(cfg)
+    schedule: tuple[str, int] | None = None
+    if pipeline is not None:
+        pipe_setup.check_stage(pipeline, mesh)
+        pipe_setup.check_config(cfg, pipeline, zero)
+        schedule = pipe_setup.schedule_settings(cfg, pipeline, training.gradient_accumulation_steps)
     model.to(get_accelerator().torch_device(info.local_rank))
     _detach_previous_engine(model)
     tp_setup.apply_config_autotp(model, mesh, tp_settings)
@@ -106,6 +122,11 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     policy.cast_module(model)
     _broadcast_from_rank0(model, comm)
     tp_setup.broadcast_replicated(model, mesh, layout)
+    norm = tp_setup.norm_scope(model, mesh, layout)
+    parts = None
+    if pipeline is not None and schedule is not None:  # after the broadcasts: tied copies start from stage min's
+        parts = pipe_setup.pipe_parts(pipeline, mesh, *schedule, device=next(model.parameters()).device)
+        norm = pipe_setup.norm_scope(pipeline, mesh, norm)
     trainable = [p for p in model.parameters() if p.requires_grad]
     # The optimizer is made while the parameters are still whole (Adagrad makes its state at once).
     offload = _optimizer_offload(zero)
@@ -113,7 +134,7 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     if offload:
         _warn_if_slow_on_cpu(opt)
     state = _model_state(model, cfg, comm, policy, zero=zero, training=training, has_optimizer=opt is not None,
-                         norm=tp_setup.norm_scope(model, mesh, layout))
+                         norm=norm)
     if opt is not None:
         if state.stage > 0:
             check_supported(opt, cfg.zero_allow_untested_optimizer)
@@ -124,24 +145,20 @@ def initialize(args: Any = None, model: nn.Module | None = None,
         loader = DistributedLoader(training_data, micro_batch_size=training.train_micro_batch_size_per_gpu,
                                    rank=comm.rank, world_size=comm.world_size, collate_fn=collate_fn,
                                    drop_last=cfg.dataloader_drop_last)
-    engine = Engine(model, cfg, comm, policy, opt, sched, state=state, mesh=mesh, timers=_timers(cfg),
-                    settings=training, training_dataloader=loader)
+    if parts is not None:
+        from zerospeed.pipe.engine import PipelineEngine
+
+        engine: Engine = PipelineEngine(model, cfg, comm, policy, opt, sched, pipe=parts, state=state, mesh=mesh,
+                                        timers=_timers(cfg), settings=training, training_dataloader=loader)
+    else:
+        engine = Engine(model, cfg, comm, policy, opt, sched, state=state, mesh=mesh, timers=_timers(cfg),
+                        settings=training, training_dataloader=loader)
     _ensure_log_handler()
     if comm.rank == 0:
         log.info("zerospeed config (resolved, every default in force):\n%s", cfg.to_json())
         if offload or state.stage == 3 and zero.offload_param.enabled:
             log.info("offload: %s", state.describe_offload())
     return engine, opt, loader, sched
-
-
-def _refuse_pipeline_module(model: nn.Module) -> None:
-    """A ``PipelineModule`` holds one stage's layers: training it as a plain module would be wrong."""
-    from zerospeed.pipe.module import PipelineModule
-
-    if isinstance(model, PipelineModule):
-        raise NotImplementedError("zerospeed.initialize got a PipelineModule: the pipeline engine (train_batch / "
-                                  "eval_batch over the schedules in zerospeed.pipe) is not built yet; train the "
-                                  "plain model (nn.Sequential of the same layers) until it lands")
 
 
 def _config_source(args: Any, config: Any, config_params: Any) -> Any:
@@ -206,14 +223,19 @@ def _ensure_log_handler() -> None:
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
-def _resolved_config(source: Any, world: int) -> Config:
-    """Load the config and fill the ``"auto"`` values the engine can know; refuse the rest by name.
+def _resolved_config(source: Any, world: int, known: dict[str, Any] | None = None) -> Config:
+    """Load the config and fill the ``"auto"`` values the engine can know (``known``, by key path);
+    refuse the rest by name.
 
     Batch sizes set to ``"auto"`` are derived from the ones that are given and the world size
     (a lone micro batch means one accumulation step), as if they had been left out.
     """
     cfg = load_config(source, world_size=world)
     pending = set(cfg.unresolved_auto())
+    fill = {key: value for key, value in (known or {}).items() if key in pending}
+    if fill:
+        cfg = cfg.resolve_auto(fill)
+        pending = set(cfg.unresolved_auto())
     batch_auto = [key for key in _BATCH_KEYS if key in pending]
     if batch_auto and len(batch_auto) < len(_BATCH_KEYS):
         given = {key: (None if key in batch_auto else getattr(cfg, key)) for key in _BATCH_KEYS}

@@ -37,9 +37,15 @@ class ActivationCheckpointingConfig(Section):
     profile: Annotated[bool, zbool()] = False
 
 
+# The pipeline schedules ``pipeline.schedule`` names (``zerospeed.pipe.schedules.SCHEDULES``; a test keeps them equal).
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zb_h1")
+
+
 class PipelineConfig(Section):
     """``pipeline``: pipeline-parallel engine options (``stages`` defaults to ``"auto"``,
-    i.e. taken from the ``PipelineModule``)."""
+    i.e. taken from the ``PipelineModule``). DeepSpeed's keys, plus zerospeed's ``schedule``
+    (default DeepSpeed's 1F1B) and ``chunks`` (model chunks per stage for ``interleaved_1f1b``;
+    it must match the ``PipelineModule``'s ``chunks``, which it defaults to)."""
 
     stages: Annotated[int | Auto, zint(ge=1, auto=True)] = Auto.AUTO
     partition: Annotated[str, zstr()] = "best"
@@ -47,6 +53,9 @@ class PipelineConfig(Section):
     activation_checkpoint_interval: Annotated[int, zint(ge=0)] = 0
     pipe_partitioned: Annotated[bool, zbool()] = True
     grad_partitioned: Annotated[bool, zbool()] = True
+    use_reentrant: Annotated[bool | None, zbool(nullable=True)] = None
+    schedule: Annotated[str, zchoice({name: name for name in PIPELINE_SCHEDULES})] = "1f1b"
+    chunks: Annotated[int | None, zint(ge=1, nullable=True)] = None
 
 
 class FlopsProfilerConfig(Section):

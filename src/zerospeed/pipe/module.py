@@ -150,7 +150,7 @@ class PipelineModule(nn.Module):
                  partition_method: str = "parameters", activation_checkpoint_interval: int = 0,
                  activation_checkpoint_func: Callable[..., Any] = checkpointing.checkpoint,
                  checkpointable_layers: Sequence[str] | None = None, dynamic_shape: bool = False, *,
-                 stage_id: int | None = None) -> None:
+                 stage_id: int | None = None, chunks: int = 1) -> None:
         super().__init__()
         if isinstance(checkpointable_layers, str):
             raise TypeError(f"checkpointable_layers={checkpointable_layers!r} must be a list of class names, "
@@ -166,6 +166,10 @@ class PipelineModule(nn.Module):
         self._topo = _resolve_topology(num_stages, topology)
         self.num_stages = self._topo.get_dim("pipe")
         self.stage_id = _resolve_stage(self._topo, stage_id)
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"chunks={chunks!r} must be an integer >= 1 (model chunks per stage; > 1 for the "
+                             "interleaved_1f1b schedule)")
+        self.chunks = chunks
 
         self._layer_specs = list(layers)
         self._num_layers = len(self._layer_specs)
@@ -173,14 +177,17 @@ class PipelineModule(nn.Module):
         count = method.needs_param_counts or (activation_checkpoint_interval > 0 and checkpointable_layers is None)
         self._layer_infos = describe_layers(self._layer_specs, count_params=count)
         self._partition_method = partition_method
-        self._plan = plan_stages(self._layer_infos, self.num_stages, partition_method,
+        self._plan = plan_stages(self._layer_infos, self.num_stages * chunks, partition_method,
                                  activation_checkpoint_interval=activation_checkpoint_interval,
                                  checkpointable_layers=self.checkpointable_layers)
         self.parts = list(self._plan.parts)
-        self._local_start = self.parts[self.stage_id]
-        self._local_stop = self.parts[self.stage_id + 1]
+        # chunk c of this stage is virtual stage c * num_stages + stage_id (Megatron's interleaving)
+        self._chunk_ranges = [self._plan.stage_layers(self._virtual(c)) for c in range(chunks)]
+        self._local_start = self._chunk_ranges[0].start
+        self._local_stop = self._chunk_ranges[-1].stop
 
-        self.forward_funcs: list[Callable[..., Any]] = []
+        self.forward_funcs: list[Callable[..., Any]] = []  # this stage's layers in global order
+        self._funcs: dict[int, Callable[..., Any]] = {}
         self.tied_modules = nn.ModuleDict()
         self.tied_weight_attrs: dict[str, list[str]] = {}
         self._build()
@@ -192,8 +199,11 @@ class PipelineModule(nn.Module):
         else:
             set_random_seed(seed)
 
+    def _virtual(self, chunk: int) -> int:
+        return chunk * self.num_stages + self.stage_id
+
     def _build(self) -> None:
-        for index in range(self._local_start, self._local_stop):
+        for index in self.local_layers():
             layer = self._layer_specs[index]
             if self.seed_layers:
                 self._seed(self.base_seed + index)
@@ -204,32 +214,46 @@ class PipelineModule(nn.Module):
                     self.tied_modules[layer.key] = layer.build()
                     self.tied_weight_attrs[layer.key] = layer.tied_weight_attr
                 module = self.tied_modules[layer.key]
-                self.forward_funcs.append(module if layer.forward_fn is None
-                                          else functools.partial(layer.forward_fn, module))
+                func: Callable[..., Any] = (module if layer.forward_fn is None
+                                            else functools.partial(layer.forward_fn, module))
             elif isinstance(layer, (LayerSpec, nn.Module)):
-                module = layer.build() if isinstance(layer, LayerSpec) else layer
-                self.add_module(str(index), module)
-                self.forward_funcs.append(module)
+                func = layer.build() if isinstance(layer, LayerSpec) else layer
+                self.add_module(str(index), func)
             else:
-                self.forward_funcs.append(layer)
+                func = layer
+            self._funcs[index] = func
+            self.forward_funcs.append(func)
 
     # -- running ----------------------------------------------------------------------------------
-    def forward(self, forward_input: Any) -> Any:
-        """Run this stage's layers in order, each block of the plan under activation
-        checkpointing when the plan says so."""
+    def forward(self, forward_input: Any, chunk: int = 0) -> Any:
+        """Run this stage's layers (of model chunk ``chunk``) in order, each block of the plan under
+        activation checkpointing when the plan says so."""
         self.micro_offset += 1
-        offset = self.micro_offset + 1  # DeepSpeed's forward seed uses the count plus one
         x = forward_input
-        for block in self._plan.blocks[self.stage_id]:
-            run = self._run_range(block, offset)
-            if block.recompute:
-                x = self.activation_checkpoint_func(run, *(x if isinstance(x, tuple) else (x,)))
-            else:
-                x = run(x)
+        for block in self.chunk_blocks(chunk):
+            x = self.run_block(block, x)
         return x
 
+    def chunk_blocks(self, chunk: int = 0) -> tuple[CheckpointBlock, ...]:
+        """The blocks (activation checkpointing units) of this stage's model chunk ``chunk``."""
+        if not 0 <= chunk < self.chunks:
+            raise ValueError(f"chunk={chunk} is outside 0..{self.chunks - 1} ({self.chunks} chunks per stage)")
+        return self._plan.blocks[self._virtual(chunk)]
+
+    def run_block(self, block: CheckpointBlock, x: Any) -> Any:
+        """Run one block of this stage's layers on ``x`` (under checkpointing when it recomputes)."""
+        offset = self.micro_offset + 1  # DeepSpeed's forward seed uses the count plus one
+        run = self._run_range(block, offset)
+        if block.recompute:
+            return self.activation_checkpoint_func(run, *(x if isinstance(x, tuple) else (x,)))
+        return run(x)
+
+    def block_funcs(self, block: CheckpointBlock) -> list[Callable[..., Any]]:
+        """What runs for each layer of ``block`` (a module, a tied module's bound ``forward_fn``, a callable)."""
+        return [self._funcs[index] for index in range(block.start, block.stop)]
+
     def _run_range(self, block: CheckpointBlock, offset: int) -> Callable[..., Any]:
-        funcs = self.forward_funcs[block.start - self._local_start: block.stop - self._local_start]
+        funcs = self.block_funcs(block)
 
         def run(*inputs: Any) -> Any:
             x = inputs[0] if len(inputs) == 1 else inputs
@@ -245,7 +269,7 @@ class PipelineModule(nn.Module):
         """Change ``activation_checkpoint_interval`` (the partition stays as it is)."""
         if interval > 0 and self.checkpointable_layers is None and self._layer_infos[0].has_params is None:
             self._layer_infos = describe_layers(self._layer_specs, count_params=True)
-        self._plan = plan_stages(self._layer_infos, self.num_stages, self._partition_method,
+        self._plan = plan_stages(self._layer_infos, self.num_stages * self.chunks, self._partition_method,
                                  activation_checkpoint_interval=interval,
                                  checkpointable_layers=self.checkpointable_layers)
 
@@ -278,20 +302,25 @@ class PipelineModule(nn.Module):
         return self.num_stages
 
     def partitions(self) -> list[int]:
-        """DeepSpeed's boundaries: stage ``s`` owns layers ``parts[s]:parts[s + 1]``."""
+        """DeepSpeed's boundaries: stage ``s`` owns layers ``parts[s]:parts[s + 1]`` (with ``chunks > 1``,
+        virtual stage ``v`` owns ``parts[v]:parts[v + 1]`` and lives on stage ``v % num_stages``)."""
         return list(self.parts)
 
     def stage_owner(self, layer_idx: int) -> int:
-        return self._plan.stage_owner(layer_idx)
+        return self._plan.stage_owner(layer_idx) % self.num_stages
 
-    def local_layers(self) -> range:
-        """Global indices of this stage's layers (``forward_funcs[i]`` is layer ``start + i``)."""
-        return range(self._local_start, self._local_stop)
+    def local_layers(self) -> list[int]:
+        """Global indices of this stage's layers, ascending (``forward_funcs[i]`` is the i-th)."""
+        return [index for chunk in self._chunk_ranges for index in chunk]
+
+    def chunk_layers(self, chunk: int) -> range:
+        """Global indices of the layers of this stage's model chunk ``chunk``."""
+        return self._chunk_ranges[chunk]
 
     def tied_stages(self, key: str) -> list[int]:
         """Stages holding a copy of tie ``key``: the ranks of those stages (same data and model
         coordinates) sum its gradients and start from the lowest stage's weights."""
-        return self._plan.tied_stages(key)
+        return sorted({v % self.num_stages for v in self._plan.tied_stages(key)})
 
     def tied_weights(self) -> list[tuple[str, str, torch.Tensor]]:
         """``(key, attribute path, tensor)`` of every tied tensor on this stage, sorted by key

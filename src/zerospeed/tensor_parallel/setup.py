@@ -46,21 +46,28 @@ def model_tp_degree(model: nn.Module) -> int:
 
 def declared_dims(world_size: int, *, model: nn.Module, mpu: Any, autotp_size: int, pipeline_stages: int = 1
                   ) -> ParallelDims:
-    """The job's degrees, from the ``mpu``, the config and the model; every source that names a
-    tensor-parallel size must name the same one."""
+    """The job's degrees, from the ``mpu``, the config and the model (``pipeline_stages``: a
+    ``PipelineModule``'s stages); every source that names a size must name the same one."""
     sources: dict[str, int] = {}
+    mpu_stages: int | None = None
     if isinstance(mpu, Mesh):
         if mpu.dims.world_size != world_size:
             raise ValueError(f"mpu: the mesh was built for {mpu.dims.world_size} ranks but the job has {world_size}")
         sources["mpu"] = mpu.dims.tp
-        pipeline_stages = mpu.dims.pp
+        mpu_stages = mpu.dims.pp
     elif mpu is not None:
         size = _ask(mpu, _MPU_TP)
         if size is None or _ask(mpu, ("get_data_parallel_world_size",)) is None:
             raise TypeError(f"mpu={type(mpu).__name__}: an mpu must answer get_data_parallel_world_size() and "
                             f"get_model_parallel_world_size() (or get_tensor_model_parallel_world_size())")
         sources["mpu"] = int(size)
-        pipeline_stages = int(_ask(mpu, _MPU_PP) or 1)
+        mpu_stages = int(_ask(mpu, _MPU_PP) or 1)
+    if mpu_stages is not None and mpu_stages != pipeline_stages:
+        if pipeline_stages == 1:
+            raise ValueError(f"mpu: its pipeline-parallel size is {mpu_stages} but the model is not a PipelineModule; "
+                             f"give initialize zerospeed.pipe.PipelineModule(layers, num_stages={mpu_stages})")
+        raise ValueError(f"mpu: its pipeline-parallel size is {mpu_stages} but the PipelineModule has "
+                         f"{pipeline_stages} stages; make them agree")
     if autotp_size > 1:
         sources["tensor_parallel.autotp_size"] = autotp_size
     layers = model_tp_degree(model)
@@ -70,9 +77,6 @@ def declared_dims(world_size: int, *, model: nn.Module, mpu: Any, autotp_size: i
         said = ", ".join(f"{where}: {size}" for where, size in sources.items())
         raise ValueError(f"conflicting tensor-parallel sizes ({said}); make them agree")
     tp = next(iter(sources.values()), 1)
-    if pipeline_stages > 1 and mpu is not None:
-        raise NotImplementedError(f"mpu: its pipeline-parallel size is {pipeline_stages}; pipeline parallelism is "
-                                  f"not implemented yet (tensor and data parallelism are); use an mpu without stages")
     return ParallelDims(world_size=world_size, tp=tp, pp=pipeline_stages)
 
 
