@@ -18,7 +18,7 @@ from zerospeed.config.specs import OptimizerSpec, SchedulerSpec
 from zerospeed.data.loader import DistributedLoader
 from zerospeed.distributed.comm import Comm
 from zerospeed.distributed.env import DEFAULT_TIMEOUT, init_distributed, process_group_timeout
-from zerospeed.distributed.groups import group_size
+from zerospeed.distributed.groups import group_rank, group_size
 from zerospeed.engine import Engine
 from zerospeed.precision.policy import MixedPrecisionPolicy
 from zerospeed.profiling.timers import NoTimers, PhaseTimers, WallClockTimers
@@ -154,7 +154,7 @@ def initialize(args: Any = None, model: nn.Module | None = None,
         engine = Engine(model, cfg, comm, policy, opt, sched, state=state, mesh=mesh, timers=_timers(cfg),
                         settings=training, training_dataloader=loader)
     _ensure_log_handler()
-    if comm.rank == 0:
+    if group_rank() == 0:
         log.info("zerospeed config (resolved, every default in force):\n%s", cfg.to_json())
         if offload or state.stage == 3 and zero.offload_param.enabled:
             log.info("offload: %s", state.describe_offload())

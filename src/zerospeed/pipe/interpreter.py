@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager
 
@@ -31,6 +32,11 @@ from zerospeed.pipe.p2p import Payload, StageLink
 from zerospeed.pipe.schedules import Schedule
 
 Key = tuple[int, int]  # (micro-batch, chunk)
+_COMPUTE = (Forward, Backward, BackwardInput, BackwardWeight)
+
+
+class StageFailed(RuntimeError):
+    """An instruction of a pipeline stage raised; the message names the stage and the instruction."""
 
 
 def tensors_of(payload: Any) -> list[torch.Tensor]:
@@ -139,13 +145,29 @@ class StageRun:
         self.losses: list[Any] = []  # the last virtual stage's per-micro-batch losses (or outputs), detached
         self.in_flight = 0
         self.peak_in_flight = 0
+        # (instruction code, micro-batch, chunk, start, end) of every computation, perf_counter seconds
+        self.trace: list[tuple[str, int, int, float, float]] = []
 
     def _virtual(self, chunk: int) -> int:
         return chunk * self.schedule.stages + self.stage
 
     def run(self) -> None:
+        """Execute the program; an error is re-raised naming this stage and the instruction it stopped at
+        (its neighbours then time out waiting for it, naming it too)."""
         for position, op in enumerate(self.program):
-            self._execute(op, position)
+            try:
+                if isinstance(op, _COMPUTE):
+                    start = time.perf_counter()
+                    self._execute(op, position)
+                    self.trace.append((op.code, op.micro, op.chunk, start, time.perf_counter()))
+                else:
+                    self._execute(op, position)
+            except StageFailed:
+                raise
+            except Exception as exc:
+                raise StageFailed(f"pipeline stage {self.stage} failed at {op} (instruction {position + 1} of "
+                                  f"{len(self.program)} of the {self.schedule.name} schedule): "
+                                  f"{type(exc).__name__}: {exc}") from exc
         if self.link is not None:
             self.link.wait_sends()
 
@@ -257,7 +279,7 @@ class StageRun:
             params = _block_params(self.module, self.module.chunk_blocks(chunk)[index])
             if outs:
                 record.pending.append((outs, grads, params))
-            if index == 0 and self._virtual(chunk) == 0 or not block_inputs or not outs:
+            if not block_inputs or not outs:  # (token ids on the first stage need no gradient)
                 next_outs, next_grads = [], []
             else:
                 found = torch.autograd.grad(outs, block_inputs, grads, retain_graph=True, allow_unused=True)
@@ -309,4 +331,4 @@ def _block_params(module: PipelineModule, block: Any) -> list[nn.Parameter]:
     return list(out.values())
 
 
-__all__ = ["StageHooks", "StageRun", "tensors_of", "detached", "input_grads"]
+__all__ = ["StageFailed", "StageHooks", "StageRun", "tensors_of", "detached", "input_grads"]
