@@ -26,11 +26,12 @@ def _config(micro_batches: int, schedule: str, zero: int, micro_size: int = 2, *
             "pipeline": {"schedule": schedule, **pipeline}, "steps_per_print": 1000}
 
 
-def _train(pp: int, tp: int, schedule: str, zero: int, micro_batches: int, chunks: int, blocks: int) -> dict:
+def _train(pp: int, tp: int, schedule: str, zero: int, micro_batches: int, chunks: int, blocks: int,
+           **pipeline: Any) -> dict:
     world = group_size()
     mesh = ParallelDims(world, tp=tp, pp=pp).build() if tp > 1 else None
     module = gpt_pipeline(pp, blocks=blocks, tp_group=mesh, chunks=chunks)
-    engine, *_ = zerospeed.initialize(model=module, config=_config(micro_batches, schedule, zero), mpu=mesh)
+    engine, *_ = zerospeed.initialize(model=module, config=_config(micro_batches, schedule, zero, **pipeline), mpu=mesh)
     dp = engine.comm.world_size
     batches = token_batches(STEPS, micro_batches, 2, dp=dp)
     it = rank_iterator(batches, engine.comm.rank)
@@ -94,3 +95,33 @@ def test_3d_parallelism_dp2_pp2_tp2(zero: int) -> None:
     """8 ranks: dp=2 x pp=2 x tp=2, tensor-parallel blocks inside the stages."""
     results = run_distributed(_train, 8, 2, 2, "1f1b", zero, 4, 1, 4, timeout=400, threads_per_rank=1)
     _check(results, 4, 4)
+
+
+def test_activation_checkpointing_by_interval_keeps_parity() -> None:
+    """``pipeline.activation_checkpoint_interval`` (as DeepSpeed: the config sets the module's interval)."""
+    results = run_distributed(_train, 2, 2, 1, "1f1b", 0, 4, 1, 4, activation_checkpoint_interval=1, timeout=240)
+    _check(results, 4, 4)
+
+
+def _fp16(dtype: str) -> dict:
+    module = gpt_pipeline(2, blocks=2)
+    config = _config(4, "1f1b", 1)
+    config[dtype] = {"enabled": True, **({"initial_scale_power": 24} if dtype == "fp16" else {})}
+    engine, *_ = zerospeed.initialize(model=module, config=config)
+    it = rank_iterator(token_batches(12, 4, 2), 0)
+    losses = [float(engine.train_batch(it)) for _ in range(12)]
+    return {"losses": losses, "skipped": engine.skipped_steps, "scale": engine.cur_scale,
+            "dtype": str(next(module.parameters()).dtype)}
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_one_loss_scale_agreed_by_every_stage(dtype: str) -> None:
+    """An overflow anywhere skips the step on every stage (the norm is summed over the pipeline), so the
+    stages keep one loss scale; training goes on and the loss falls."""
+    first, last = run_distributed(_fp16, 2, dtype)
+    assert first["skipped"] == last["skipped"] and first["scale"] == last["scale"]
+    assert first["losses"] == last["losses"]
+    assert first["dtype"] == last["dtype"] == ("torch.float16" if dtype == "fp16" else "torch.bfloat16")
+    if dtype == "fp16":
+        assert 0 < first["skipped"] < 12 and first["scale"] < 2 ** 24
+    assert first["losses"][-1] < first["losses"][first["skipped"]]

@@ -1,12 +1,14 @@
-"""Pipeline parallelism (DeepSpeed's ``deepspeed.pipe``). So far: ``PipelineModule`` with ``LayerSpec`` /
-``TiedLayerSpec``, the topologies and partition methods, and the pure schedules (instructions as data,
-GPipe, 1F1B, interleaved 1F1B, ZB-H1) with a simulator that checks them, and ``StageLink`` (point-to-point
-activations and gradients between stages, with a shape handshake). The interpreter and the
-``PipelineEngine`` that run them are not built yet: ``zerospeed.initialize`` refuses a ``PipelineModule``."""
+"""Pipeline parallelism (DeepSpeed's ``deepspeed.pipe``): ``PipelineModule`` with ``LayerSpec`` /
+``TiedLayerSpec``, the topologies and partition methods, the pure schedules (instructions as data: GPipe,
+1F1B, interleaved 1F1B, ZB-H1) with a simulator that checks them, ``StageLink`` (point-to-point
+activations and gradients with a shape handshake), the one interpreter (``StageRun``) and the
+``PipelineEngine`` that ``zerospeed.initialize`` returns for a ``PipelineModule``. See ``docs/pipeline.md``."""
 
 from .instructions import (Backward, BackwardInput, BackwardWeight, Forward, Instruction, LoadMicroBatch,
                            OptimizerStep, RecvActivation, RecvGrad, ReduceGrads, ReduceTiedGrads,
                            SendActivation, SendGrad)
+from .engine import PipelineEngine, PipelineError
+from .interpreter import StageFailed, StageHooks, StageRun
 from .module import LayerSpec, PipelineModule, TiedLayerSpec
 from .p2p import HeaderMismatch, PendingSend, StageLink
 from .partition import PartitionMethod, StagePlan, partition_balanced, partition_uniform, plan_stages
@@ -24,4 +26,5 @@ __all__ = [
     "SendGrad", "DEFAULT_SCHEDULE", "SCHEDULES", "Schedule", "ScheduleError", "gpipe", "inference",
     "interleaved_1f1b", "one_f_one_b", "schedule_for", "zero_bubble_h1", "Costs", "Deadlock",
     "ScheduleViolation", "SimResult", "simulate", "StageLink", "PendingSend", "HeaderMismatch",
+    "PipelineEngine", "PipelineError", "StageFailed", "StageHooks", "StageRun",
 ]
