@@ -230,3 +230,25 @@ def test_pipeline_configs_it_cannot_run_are_refused_by_key(config: dict, module_
             "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
     with pytest.raises(ConfigError, match=error):
         zerospeed.initialize(model=_one_stage(**module_kwargs), config={**base, **config})
+
+
+def test_training_data_given_to_initialize_feeds_train_batch_and_batch_fn_applies() -> None:
+    data = [(torch.randn(4), torch.randn(4)) for _ in range(16)]
+    module = _one_stage(loss_fn=lambda out, labels: ((out - labels) ** 2).mean())
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    engine, _, loader, _ = zerospeed.initialize(model=module, config=config, training_data=data)
+    assert loader is not None
+    first = float(engine.train_batch())
+    seen: list[int] = []
+
+    def batch_fn(batch: Any) -> Any:
+        seen.append(len(batch[0]))
+        return batch
+
+    engine.set_batch_fn(batch_fn)
+    for _ in range(5):
+        last = float(engine.train_batch())
+    assert seen == [2] * 10 and engine.global_steps == 6 and last < first
+    with pytest.raises(Exception, match=r"a micro-batch must be a pair \(inputs, labels\)"):
+        engine.train_batch(iter([torch.zeros(2, 4)] * 2))
