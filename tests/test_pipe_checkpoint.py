@@ -93,10 +93,13 @@ def test_pipeline_checkpoint_reshards_across_pp_and_tp(tmp_path: Path) -> None:
 
 
 def _failing_save(save_dir: str) -> dict[str, Any]:
-    """pp=2: a good save, then one whose last stage cannot write its file."""
+    """pp=2: a good save, then one whose last stage cannot write its file (and save_16bit_model, which
+    would write the first stage's layers only, refused on every rank)."""
     engine = _engine(2, 1)
     _train(engine, range(1))
     engine.save_checkpoint(save_dir, tag="good")
+    with pytest.raises(CheckpointError, match="zerospeed convert"):
+        engine.save_16bit_model(save_dir + "-weights")
     _train(engine, range(1, 2))
     if engine.stage_id == 1:
         from zerospeed.checkpoint import commit
