@@ -8,7 +8,10 @@ one has gone on to a collective instead of saving (``if rank == 0: save_checkpoi
 
 Order of a save: handshake (same tag and directory everywhere) -> each rank writes and fsyncs its
 files into ``<dir>/.tmp-<tag>-<id>`` and reports -> rank 0 writes the manifest, fsyncs, renames the
-directory to ``<dir>/<tag>`` and rewrites ``latest`` -> every rank learns the outcome.
+directory to ``<dir>/<tag>`` and rewrites ``latest`` -> every rank learns the outcome. Each rank's
+index describes the part of the model it holds; rank 0 merges those into the manifest
+(:mod:`~zerospeed.checkpoint.model_record`), so the manifest lists the whole model even when no
+rank holds all of it (pipeline stages).
 
 While a rank writes and commits it also beats a heartbeat key, so a rank that died mid-save
 (SIGKILL, the OOM killer, a lost node) is told from one still writing: the others stop waiting
@@ -31,6 +34,7 @@ import torch
 
 from zerospeed.checkpoint import layout
 from zerospeed.checkpoint.layout import CheckpointError
+from zerospeed.checkpoint.model_record import merge_records
 from zerospeed.checkpoint.state_io import RankPayload, StreamedPayload
 
 _POLL = 0.02  # seconds between store polls; store.wait would hold the store client's lock
@@ -152,6 +156,7 @@ class SaveJob:
     rank_state: bytes  # serialized on the calling thread: later changes by the caller cannot leak in
     engine_state: bytes | None  # rank 0: scheduler, client state
     manifest: dict[str, Any] | None  # rank 0: everything but the per-rank parts
+    model: dict[str, Any]  # the part of the model this rank holds (model_record), merged by rank 0
     save_latest: bool
     lease: layout.DirLease | None = None  # keeps other saves' sweeps out of tmp_dir until done
     tensors_written: bool = field(default=False, init=False)
@@ -208,7 +213,7 @@ class SaveJob:
             files.update(_write_bytes(os.path.join(self.tmp_dir, layout.ENGINE_STATE), self.engine_state))
         fragments = [dict(f, file=name) for f in self.payload.fragments]
         index = {"files": files, "fragments": fragments, "scalars": self.payload.scalars,
-                 "group_params": self.payload.group_params}
+                 "group_params": self.payload.group_params, "model": self.model}
         with open(os.path.join(self.tmp_dir, layout.rank_index(rank)), "w") as f:
             json.dump(index, f)
             f.flush()
@@ -225,9 +230,11 @@ class SaveJob:
             manifest["files"], manifest["fragments"] = {}, []
             scalars: dict[str, Any] = {}
             groups: list[set[str]] = []
+            records = []
             for rank in range(self.sync.world_size):
                 with open(os.path.join(self.tmp_dir, layout.rank_index(rank))) as f:
                     index = json.load(f)
+                records.append(index["model"])
                 manifest["files"].update({k: {"bytes": v} for k, v in index["files"].items()})
                 manifest["fragments"] += index["fragments"]
                 for param, values in index["scalars"].items():
@@ -236,6 +243,7 @@ class SaveJob:
                     while len(groups) <= g:
                         groups.append(set())
                     groups[g].update(names)
+            manifest.update(merge_records(records))
             if manifest.get("optimizer") is not None:
                 manifest["optimizer"]["scalars"] = scalars
                 for g, group in enumerate(manifest["optimizer"]["param_groups"]):

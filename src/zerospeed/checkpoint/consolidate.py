@@ -213,6 +213,10 @@ def consolidated_16bit_state_dict(engine: CheckpointedEngine,
     Every rank must call it: ZeRO-3 shards are gathered, tensor-parallel slices joined along their
     split dimension. Tied parameters stay one tensor under each key."""
     topo = checkpoint_topology(engine)
+    if topo.pipeline_degree > 1:  # rank 0 holds only its stage's layers (the same on every rank: no hang)
+        raise CheckpointError(f"save_16bit_model with pipeline parallelism (pp={topo.pipeline_degree}) is not "
+                              f"supported yet; save_checkpoint(dir) and convert it with `zerospeed convert dir "
+                              f"out.safetensors` (or zerospeed.checkpoint.get_fp32_state_dict(dir))")
     rank0 = topo.comm.rank == 0
     module = engine.module
     trainable = {name for name, p in module.named_parameters() if p.requires_grad}

@@ -25,13 +25,14 @@ import torch
 from zerospeed.checkpoint import layout
 from zerospeed.checkpoint.commit import BackgroundSave, RankSync, SaveJob, serialize
 from zerospeed.checkpoint.layout import BUFFER, CheckpointError
+from zerospeed.checkpoint.model_record import model_record
 from zerospeed.checkpoint.reader import CheckpointSet
 from zerospeed.checkpoint.small_state import load_small_state, rng_state, set_rng_state, warn_if_unsafe
 from zerospeed.checkpoint.state_io import (RankPayload, StreamedPayload, collect, describe_groups, keep_states_of,
                                            load_masters, load_param_groups, missing_params,
                                            restore_optimizer_states)
 from zerospeed.checkpoint.topology import CheckpointTopology, checkpoint_topology
-from zerospeed.checkpoint.tp_reshard import full_shape, slots_to_save, to_parts
+from zerospeed.checkpoint.tp_reshard import slots_to_save, to_parts
 
 if TYPE_CHECKING:
     from zerospeed.checkpoint.contract import CheckpointedEngine
@@ -111,7 +112,8 @@ def _prepare(engine: CheckpointedEngine, topo: CheckpointTopology, sync: RankSyn
         asynchronous = (writer is not None and writer.decoupled) if async_save is None else bool(async_save)
         frozen = ({p.name for p in engine.state.checkpoint_params() if not p.trainable}
                   if exclude_frozen_parameters else set())
-        buffers = _persistent_buffers(engine.module) if comm.rank == 0 else {}
+        buffers = ({n: b for n, b in _persistent_buffers(engine.module).items() if n not in topo.held_elsewhere}
+                   if topo.writes_buffers else {})
         plan = engine.state.checkpoint_groups()
         parts = _stream_parts(engine, topo, plan.groups, frozen, buffers)
         payload: RankPayload | StreamedPayload
@@ -128,9 +130,10 @@ def _prepare(engine: CheckpointedEngine, topo: CheckpointTopology, sync: RankSyn
             engine_state = serialize({"lr_scheduler": scheduler.state_dict() if hasattr(scheduler, "state_dict")
                                       else None, "client_state": client_state or {}})
             warn_if_unsafe(engine_state, "client_state (or the LR scheduler's state_dict)")
-            manifest = _manifest(engine, topo, tag, buffers)
+            manifest = _manifest(engine, topo, tag)
             manifest["excluded_frozen_parameters"] = bool(exclude_frozen_parameters)
-        job = SaveJob(sync, save_dir, tmp_dir, tag, payload, rank_state, engine_state, manifest, save_latest, lease)
+        job = SaveJob(sync, save_dir, tmp_dir, tag, payload, rank_state, engine_state, manifest,
+                      model_record(engine, topo, buffers), save_latest, lease)
         if asynchronous and not plan.in_memory:
             # swapped state cannot be snapshotted in memory, and only this thread may make it resident:
             # its file is written before returning; the small files and the commit go on in the background
@@ -148,9 +151,11 @@ def _prepare(engine: CheckpointedEngine, topo: CheckpointTopology, sync: RankSyn
 def _collect_part(engine: CheckpointedEngine, topo: CheckpointTopology, units: Sequence[int] | None,
                   frozen: set[str]) -> RankPayload:
     """Fragments of ``units``' slots (default: all), frozen parameters excluded (views, not copies);
-    tensor-parallel slices as their parts, replicated parameters from tensor-parallel rank 0 only."""
+    tensor-parallel slices as their parts, replicated parameters from tensor-parallel rank 0 only, tied
+    pipeline modules from their lowest stage only."""
     slots = slots_to_save(engine.state.checkpoint_slots(for_save=True, units=units), topo.layout)
-    out = collect([slot for slot in slots if slot.param not in frozen], engine.optimizer, with_optimizer=True)
+    skip = frozen | topo.held_elsewhere
+    out = collect([slot for slot in slots if slot.param not in skip], engine.optimizer, with_optimizer=True)
     to_parts(out.tensors, out.fragments, topo.layout)
     return out
 
@@ -169,18 +174,15 @@ def _stream_parts(engine: CheckpointedEngine, topo: CheckpointTopology, groups: 
     return parts
 
 
-def _manifest(engine: CheckpointedEngine, topo: CheckpointTopology, tag: str,
-              buffers: dict[str, torch.Tensor]) -> dict[str, Any]:
+def _manifest(engine: CheckpointedEngine, topo: CheckpointTopology, tag: str) -> dict[str, Any]:
+    """Rank 0's part of the manifest: all but the model's description (``version``, ``params``,
+    ``tensor_parallel``, ``aliases``, ``buffers``), which the commit merges from every rank's."""
     import zerospeed
 
     optimizer = engine.optimizer
     group_params: list[list[str]] = [[] for _ in optimizer.param_groups] if optimizer is not None else []
-    names = {id(p): n for n, p in engine.module.named_parameters()}
-    aliases = {n: names[id(p)] for n, p in engine.module.named_parameters(remove_duplicate=False)
-               if names[id(p)] != n}
-    split = topo.tp_degree > 1  # parts and full shapes: version 2 (an older zerospeed refuses, naming the upgrade)
     return {
-        "format": layout.FORMAT, "version": layout.VERSION if split else 1, "tag": tag,
+        "format": layout.FORMAT, "tag": tag,
         "zerospeed_version": zerospeed.__version__, "torch_version": torch.__version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "world_size": engine.comm.world_size, "zero_stage": engine.state.stage,
@@ -189,13 +191,7 @@ def _manifest(engine: CheckpointedEngine, topo: CheckpointTopology, tag: str,
                      "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
                      "gradient_accumulation_steps": engine.gradient_accumulation_steps()},
         "loss_scaler": {"class": type(engine.scaler).__name__, **engine.scaler.state_dict()},
-        "params": [{"name": p.name, "shape": list(full_shape(p.name, p.shape, topo.layout)),
-                    "dtype": str(p.dtype).removeprefix("torch."), "trainable": p.trainable}
-                   for p in engine.state.checkpoint_params()],
-        **({"tensor_parallel": topo.layout.to_json()} if split else {}),
-        "aliases": aliases,
-        "buffers": [{"name": n, "shape": list(b.shape), "dtype": str(b.dtype).removeprefix("torch.")}
-                    for n, b in buffers.items()],
+        **({"pipeline": {"degree": topo.pipeline_degree}} if topo.pipeline_degree > 1 else {}),
         "optimizer": None if optimizer is None else {
             "class": type(optimizer).__name__, "param_groups": describe_groups(optimizer, group_params)},
         "config": json.loads(engine.config.to_json()),
@@ -232,9 +228,10 @@ def load_checkpoint(engine: CheckpointedEngine, load_dir: str, tag: Any = None, 
                       f"given); nothing was loaded", stacklevel=3)
         return None, None
     with_optimizer = load_optimizer_states and not load_module_only
+    names = _model_names(engine, topo)
     with CheckpointSet(path, topo.layout) as ckpt:
         manifest = ckpt.manifest
-        small = _load_groups(engine, topo, ckpt, load_module_strict, with_optimizer, allow_unsafe_pickle)
+        small = _load_groups(engine, topo, ckpt, names, load_module_strict, with_optimizer, allow_unsafe_pickle)
     if load_module_only:
         return path, small.engine.get("client_state")
     _load_scaler(engine, manifest["loss_scaler"])
@@ -267,6 +264,7 @@ def _same_data_layout(engine: CheckpointedEngine, topo: CheckpointTopology, mani
     reading the same micro-batches."""
     return (int(manifest["world_size"]) == engine.comm.world_size
             and int((manifest.get("tensor_parallel") or {}).get("degree", 1)) == topo.tp_degree
+            and int((manifest.get("pipeline") or {}).get("degree", 1)) == topo.pipeline_degree
             and int(manifest.get("micro_batch_size", -1)) == engine.train_micro_batch_size_per_gpu())
 
 
@@ -274,8 +272,27 @@ def _same_data_layout(engine: CheckpointedEngine, topo: CheckpointTopology, mani
 _LOAD_ERRORS = (CheckpointError, OSError, ValueError, KeyError, RuntimeError)
 
 
-def _load_groups(engine: CheckpointedEngine, topo: CheckpointTopology, ckpt: CheckpointSet, strict: bool, with_optimizer: bool,
-                 allow_unsafe_pickle: bool) -> SmallState:
+class ModelNames(NamedTuple):
+    """The parameter (aliases included) and persistent buffer names of the whole model, over every
+    pipeline stage: what a strict load compares the checkpoint's names with."""
+
+    params: frozenset[str]
+    buffers: frozenset[str]
+
+
+def _model_names(engine: CheckpointedEngine, topo: CheckpointTopology) -> ModelNames:
+    """This model's names; with pipeline stages, each holding its own layers, their union over the job
+    (collective)."""
+    params = [n for n, _ in engine.module.named_parameters(remove_duplicate=False)]
+    buffers = list(_persistent_buffers(engine.module))
+    if topo.pipeline_degree == 1:
+        return ModelNames(frozenset(params), frozenset(buffers))
+    held = topo.comm.all_gather_object((params, buffers))
+    return ModelNames(frozenset(n for p, _ in held for n in p), frozenset(n for _, b in held for n in b))
+
+
+def _load_groups(engine: CheckpointedEngine, topo: CheckpointTopology, ckpt: CheckpointSet, model: ModelNames,
+                 strict: bool, with_optimizer: bool, allow_unsafe_pickle: bool) -> SmallState:
     """Check everything first, then load one group of units at a time as the state's
     ``checkpoint_groups()`` says (one group when it is all in memory), each resident while it is
     loaded, refreshed and written back. Each rank reads different ranges, so the ranks agree on the
@@ -285,7 +302,7 @@ def _load_groups(engine: CheckpointedEngine, topo: CheckpointTopology, ckpt: Che
     small = SmallState({}, None)
     try:
         names = [p.name for p in state.checkpoint_params()]  # the slots' names need their units resident
-        small = _load_common(engine, topo, ckpt, names, strict, with_optimizer, allow_unsafe_pickle)
+        small = _load_common(engine, topo, ckpt, model, names, strict, with_optimizer, allow_unsafe_pickle)
     except _LOAD_ERRORS as exc:
         error = exc
     comm.fail_together(error, "load_checkpoint", error_type=CheckpointError)
@@ -308,13 +325,13 @@ def _load_groups(engine: CheckpointedEngine, topo: CheckpointTopology, ckpt: Che
     return small
 
 
-def _load_common(engine: CheckpointedEngine, topo: CheckpointTopology, ckpt: CheckpointSet, names: list[str], strict: bool, with_optimizer: bool,
-                 allow_unsafe_pickle: bool) -> SmallState:
+def _load_common(engine: CheckpointedEngine, topo: CheckpointTopology, ckpt: CheckpointSet, model: ModelNames,
+                 names: list[str], strict: bool, with_optimizer: bool, allow_unsafe_pickle: bool) -> SmallState:
     """Check everything first (names, shapes, ``names``' values present, the optimizer's class, the
     pickled files), then read all but masters and optimizer states: buffers, param groups."""
     manifest = ckpt.manifest
     ckpt.check_layout()
-    _check_names(engine, ckpt, strict=strict)
+    _check_names(engine, ckpt, model, strict=strict)
     missing_params(names, ckpt, strict=strict)
     optimizer = _loads_optimizer(engine, ckpt, with_optimizer)
     saved_class: str = manifest["optimizer"]["class"] if optimizer is not None else ""
@@ -361,8 +378,10 @@ def _state_family(name: str) -> str:
     return _STATE_FAMILIES.get(name, name)
 
 
-def _check_names(engine: CheckpointedEngine, ckpt: CheckpointSet, *, strict: bool) -> None:
-    """Shapes must agree; under ``strict`` the names must too (tied aliases count, either way round)."""
+def _check_names(engine: CheckpointedEngine, ckpt: CheckpointSet, model: ModelNames, *, strict: bool) -> None:
+    """Shapes must agree; under ``strict`` the names must too (tied aliases count, either way round):
+    every name the checkpoint holds must be somewhere in the model (``model``: on any stage), and each
+    of this rank's parameters in the checkpoint (checked by the caller)."""
     wrong = []
     for p in engine.state.checkpoint_params():
         stored = ckpt.canonical(p.name)
@@ -372,13 +391,12 @@ def _check_names(engine: CheckpointedEngine, ckpt: CheckpointSet, *, strict: boo
         raise CheckpointError(f"{ckpt.path}: parameter shapes differ from this model's: {'; '.join(wrong[:8])}")
     if not strict:
         return
-    model_names = {n for n, _ in engine.module.named_parameters(remove_duplicate=False)}
     saved_names = set(ckpt.params) | set(ckpt.manifest.get("aliases", {}))
-    unexpected = sorted(saved_names - model_names)
+    unexpected = sorted(saved_names - model.params)
     if unexpected:
         raise CheckpointError(f"{ckpt.path} holds {len(unexpected)} parameter(s) this model does not have: "
                               f"{', '.join(unexpected[:8])}; load with load_module_strict=False to ignore them")
-    model_buffers = set(_persistent_buffers(engine.module))
+    model_buffers = set(model.buffers)
     saved_buffers = {b["name"] for b in ckpt.manifest.get("buffers", [])}
     if model_buffers != saved_buffers:
         raise CheckpointError(f"{ckpt.path}: buffers differ from this model's (missing from the checkpoint: "

@@ -21,7 +21,8 @@ parameters (DeepSpeed sees a ``functools.partial``: no class match, no parameter
 (DeepSpeed seeds it per stage, then broadcasts stage-min's weights, which are those); the forward
 seed uses the true global layer index (DeepSpeed's is off inside checkpoint blocks); DeepSpeed's
 ``GPTModelPipe`` class-name special case for checkpointing is not reproduced; ``mpu()``,
-``tied_comms`` and the checkpoint-file helpers are left to the engine and ``checkpoint/``.
+``tied_comms`` and the checkpoint-file helpers are left to the engine and ``checkpoint/`` (which stores a
+tie once, from its lowest stage: :meth:`PipelineModule.tied_copies_below`).
 """
 
 from __future__ import annotations
@@ -330,6 +331,19 @@ class PipelineModule(nn.Module):
             for path in self.tied_weight_attrs[key]:
                 out.append((key, path, _getattr_path(self.tied_modules[key], path)))
         return out
+
+    def tied_copies_below(self) -> frozenset[str]:
+        """Names of this stage's tied-module parameters and buffers (``tied_modules.<key>.<name>``) whose
+        key a lower stage holds too. Checkpoints store each tie once, from its lowest stage (the copies
+        are kept equal), and every stage holding it loads that one value."""
+        out: set[str] = set()
+        for key in self.tied_modules:
+            if self.tied_stages(key)[0] == self.stage_id:
+                continue
+            prefix = f"tied_modules.{key}."
+            out.update(name for name, _ in self.named_parameters() if name.startswith(prefix))
+            out.update(name for name, _ in self.named_buffers() if name.startswith(prefix))
+        return frozenset(out)
 
     def get_additional_losses(self) -> dict[str, torch.Tensor] | None:
         """Extra losses to report (none by default; subclasses may override, as in DeepSpeed)."""
