@@ -230,7 +230,7 @@ def test_uneven_splits_are_refused_with_the_fix() -> None:
     assert "needs input_is_parallel=True" in errors[3]
 
 
-def test_an_mpu_with_pipeline_stages_is_refused_until_pipelines_land() -> None:
+def test_an_mpu_with_pipeline_stages_needs_a_pipeline_module() -> None:
     class MPU:
         def get_data_parallel_world_size(self) -> int:
             return 2
@@ -241,8 +241,12 @@ def test_an_mpu_with_pipeline_stages_is_refused_until_pipelines_land() -> None:
         def get_pipe_parallel_world_size(self) -> int:
             return 2
 
-    with pytest.raises(NotImplementedError, match="pipeline-parallel size is 2"):
+    with pytest.raises(ValueError, match=r"pipeline-parallel size is 2 but the model is not a PipelineModule; "
+                       r"give initialize zerospeed.pipe.PipelineModule\(layers, num_stages=2\)"):
         declared_dims(8, model=nn.Linear(2, 2), mpu=MPU(), autotp_size=0)
+    with pytest.raises(ValueError, match="pipeline-parallel size is 2"):
+        declared_dims(8, model=nn.Linear(2, 2), mpu=MPU(), autotp_size=0, pipeline_stages=4)
+    assert declared_dims(8, model=nn.Linear(2, 2), mpu=MPU(), autotp_size=0, pipeline_stages=2).pp == 2
 
 
 def test_fused_parts_are_outer_rows_of_a_plain_split() -> None:

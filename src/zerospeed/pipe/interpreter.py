@@ -28,7 +28,7 @@ from zerospeed.pipe.instructions import (Backward, BackwardInput, BackwardWeight
                                          LoadMicroBatch, OptimizerStep, RecvActivation, RecvGrad, ReduceGrads,
                                          ReduceTiedGrads, SendActivation, SendGrad)
 from zerospeed.pipe.module import PipelineModule
-from zerospeed.pipe.p2p import Payload, StageLink
+from zerospeed.pipe.p2p import StageLink
 from zerospeed.pipe.schedules import Schedule
 
 Key = tuple[int, int]  # (micro-batch, chunk)
@@ -254,6 +254,8 @@ class StageRun:
         """The chunk's output tensors and the gradients backward starts from (the scaled loss on the
         last virtual stage)."""
         out = self.outputs.pop(key)
+        if self._virtual(key[1]) == 0:  # the loaded inputs: no previous stage takes their gradient
+            self.inputs.pop(key, None)
         if self._virtual(key[1]) == self.last_virtual:
             if not isinstance(out, torch.Tensor) or out.dim() != 0:
                 raise ValueError(f"the pipeline's last stage produced {type(out).__name__}"
