@@ -41,6 +41,7 @@ bench: install
 	$(BIN)/python benchmarks/bench_cpu_adam.py --quick
 	$(BIN)/python benchmarks/bench_offload.py --quick
 	$(BIN)/python benchmarks/bench_tp.py --quick
+	$(BIN)/python benchmarks/bench_pipe.py --quick
 	$(BIN)/python benchmarks/bench_import.py --runs 3
 
 clean:
