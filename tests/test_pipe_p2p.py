@@ -48,6 +48,15 @@ def _payload(micro: int, kind: str) -> tuple:
             torch.arange(rows * micro, dtype=torch.int64).view(rows, micro), mask)
 
 
+def _long_payload() -> tuple:
+    """Eight tensors of mixed dtypes and odd sizes: a header longer than one frame, and a body whose
+    tensors need aligned offsets."""
+    g = torch.Generator().manual_seed(5)
+    dtypes = (torch.float64, torch.int16, torch.bool, torch.bfloat16, torch.float32, torch.uint8, torch.complex64,
+              torch.int32)
+    return tuple((torch.randn(3, i + 1, generator=g) * 50).to(dtype) for i, dtype in enumerate(dtypes))
+
+
 def _describe(payload: object) -> object:
     """Plain Python values (bit-exact: floats as their raw ints) for comparing across processes."""
     if payload is None:
@@ -69,6 +78,7 @@ def _two_stages() -> dict:
         # a lone tensor, then a nested list, on the activation channel
         link.send("activation", 100, torch.arange(6.0).view(2, 3), 1)
         link.send("activation", 101, [torch.ones(0, 4), (torch.full((2,), 7, dtype=torch.int32),)], 1)
+        link.send("activation", 102, _long_payload(), 1)
         # 1F1B-like: warm up with two forwards, then one forward / one backward, then drain
         for micro in (0, 1):
             link.send("activation", micro, _payload(micro, "activation"), 1)
@@ -77,11 +87,15 @@ def _two_stages() -> dict:
             link.send("activation", micro, _payload(micro, "activation"), 1)
         for micro in (2, 3):
             got[f"grad{micro}"] = _describe(link.recv("gradient", micro, 1))
+        # the same layout three times (one message each after the first), then a new shape
+        for micro, rows in ((20, 2), (21, 2), (22, 2), (23, 4)):
+            link.send("activation", micro, torch.full((rows, 3), float(micro)), 1)
         link.wait_sends()
         got["pending"] = link.pending_sends
     else:
         got["lone"] = _describe(link.recv("activation", 100, 0))
         got["nested"] = _describe(link.recv("activation", 101, 0))
+        got["long"] = _describe(link.recv("activation", 102, 0))
         for micro in range(4):
             received = link.recv("activation", micro, 0)
             got[f"act{micro}"] = _describe(received)
@@ -90,6 +104,8 @@ def _two_stages() -> dict:
             (received[0] * 2).sum().backward()
             got[f"leaf_grad{micro}"] = received[0].grad is not None and bool((received[0].grad == 2).all())
             link.send("gradient", micro, _payload(micro, "gradient"), 0)
+        for micro in (20, 21, 22, 23):
+            got[f"same{micro}"] = _describe(link.recv("activation", micro, 0))
         # out of order on purpose: the header names what actually arrived
         link.send("gradient", 9, torch.ones(1), 0)
         link.wait_sends()
@@ -107,6 +123,7 @@ def test_transfers_between_two_stages_are_bit_exact_and_fifo_per_channel() -> No
     first, second = run_distributed(_two_stages, 2, timeout=60)
     assert second["lone"] == _describe(torch.arange(6.0).view(2, 3))
     assert second["nested"] == _describe([torch.ones(0, 4), (torch.full((2,), 7, dtype=torch.int32),)])
+    assert second["long"] == _describe(_long_payload())
     for micro in range(4):
         assert second[f"act{micro}"] == _describe(_payload(micro, "activation"))
         assert second[f"leaf_grad{micro}"] is True
@@ -115,9 +132,37 @@ def test_transfers_between_two_stages_are_bit_exact_and_fifo_per_channel() -> No
     assert first["mismatch"] == ("pipeline stage 0 expected the gradient of micro-batch 8 from stage 1 but received "
                                  "the gradient of micro-batch 9; the two stages' schedules post their sends and "
                                  "receives on this channel in different orders")
-    # header length + header + each non-empty tensor (micro-batch 0's int64 part is empty, 1 and 3 have no mask)
-    assert first["stats"]["send"] == 3 + 3 + 5 + 5 + 6 + 5
+    for micro, rows in ((20, 2), (21, 2), (22, 2), (23, 4)):
+        assert second[f"same{micro}"] == _describe(torch.full((rows, 3), float(micro)))
+    # a transfer in a new layout is its header frame and one body of all its non-empty tensors (the long
+    # header spills into a second message); one in its channel's previous layout is a single message.
+    # Sent: lone, nested, long, four activations of changing shapes, then the same layout thrice and a new one
+    assert first["stats"]["send"] == 2 + 2 + 3 + 4 * 2 + (2 + 1 + 1) + 2
+    assert second["stats"]["send"] == 4 * 2 + 2
     assert second["stats"]["recv"] == first["stats"]["send"]
+
+
+def _both_directions() -> list:
+    """Each stage sends the other activations in its own layout (interleaved at pp=2 does): the two
+    directions of one (peer, kind) keep separate layouts, whether receives are announced or not."""
+    comm = Comm(name="pipe")
+    link = StageLink(comm, comm.rank)
+    peer = 1 - comm.rank
+    link.expect("activation", peer, 3)
+    got = []
+    for micro in range(4):
+        rows = 2 + comm.rank * 5
+        link.send("activation", micro, torch.full((rows, 3 + micro // 2), float(10 * comm.rank + micro)), peer)
+        got.append(_describe(link.recv("activation", micro, peer)))
+    link.wait_sends()
+    return got
+
+
+@pytest.mark.spawns
+def test_both_directions_of_a_channel_keep_their_own_layout() -> None:
+    first, second = run_distributed(_both_directions, 2, timeout=60)
+    assert first == [_describe(torch.full((7, 3 + m // 2), float(10 + m))) for m in range(4)]
+    assert second == [_describe(torch.full((2, 3 + m // 2), float(m))) for m in range(4)]
 
 
 def _never_sent() -> str:

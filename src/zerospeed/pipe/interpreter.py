@@ -9,8 +9,9 @@ Per (micro-batch, chunk) it keeps the chunk's input (a received activation, or t
 first virtual stage), its output (the loss on the last virtual stage) and, once received, the gradient
 of the output. A fused ``Backward`` runs autograd once; the zero-bubble split runs the chunk as blocks
 (its activation-checkpointing blocks) with detached boundaries, so ``BackwardInput`` computes only the
-gradients flowing to the chunk's input (block by block, keeping each block's output gradient) and
-``BackwardWeight`` later the weight gradients of each block from what ``BackwardInput`` kept.
+gradients flowing to the chunk's input (block by block) and ``BackwardWeight`` later the weight
+gradients of each block from what ``BackwardInput`` kept (``split_backward.py``: no part is computed
+twice).
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from zerospeed.pipe.instructions import (Backward, BackwardInput, BackwardWeight
                                          LoadMicroBatch, OptimizerStep, RecvActivation, RecvGrad, ReduceGrads,
                                          ReduceTiedGrads, SendActivation, SendGrad)
 from zerospeed.pipe.module import PipelineModule
-from zerospeed.pipe.p2p import StageLink
+from zerospeed.pipe.p2p import Kind, StageLink
 from zerospeed.pipe.schedules import Schedule
+from zerospeed.pipe.split_backward import DeferredWeights, backward_input, backward_weights_later
 
 Key = tuple[int, int]  # (micro-batch, chunk)
 _COMPUTE = (Forward, Backward, BackwardInput, BackwardWeight)
@@ -121,8 +123,7 @@ class _Blocks:
 
     inputs: list[Any] = field(default_factory=list)
     outputs: list[Any] = field(default_factory=list)
-    pending: list[tuple[list[torch.Tensor], list[torch.Tensor | None], list[nn.Parameter]]] = \
-        field(default_factory=list)  # kept by BackwardInput for BackwardWeight
+    pending: list[DeferredWeights] = field(default_factory=list)  # kept by BackwardInput for BackwardWeight
 
 
 class StageRun:
@@ -154,6 +155,7 @@ class StageRun:
     def run(self) -> None:
         """Execute the program; an error is re-raised naming this stage and the instruction it stopped at
         (its neighbours then time out waiting for it, naming it too)."""
+        self._announce_receives()
         for position, op in enumerate(self.program):
             try:
                 if isinstance(op, _COMPUTE):
@@ -163,8 +165,10 @@ class StageRun:
                 else:
                     self._execute(op, position)
             except StageFailed:
+                self._forget_receives()
                 raise
             except Exception as exc:
+                self._forget_receives()
                 raise StageFailed(f"pipeline stage {self.stage} failed at {op} (instruction {position + 1} of "
                                   f"{len(self.program)} of the {self.schedule.name} schedule): "
                                   f"{type(exc).__name__}: {exc}") from exc
@@ -208,6 +212,22 @@ class StageRun:
             self.hooks.step()
         else:  # pragma: no cover - every instruction type is handled above
             raise AssertionError(f"unknown instruction {op}")
+
+    def _announce_receives(self) -> None:
+        """Tell the link every receive this program will make, so it posts each one ahead."""
+        if self.link is None:
+            return
+        counts: dict[tuple[Kind, int], int] = {}
+        for op in self.program:
+            if isinstance(op, (RecvActivation, RecvGrad)):
+                kind: Kind = "activation" if isinstance(op, RecvActivation) else "gradient"
+                counts[(kind, op.peer)] = counts.get((kind, op.peer), 0) + 1
+        for (kind, peer), count in counts.items():
+            self.link.expect(kind, peer, count)
+
+    def _forget_receives(self) -> None:
+        if self.link is not None:
+            self.link.forget_expected()
 
     def _link(self) -> StageLink:
         assert self.link is not None, "a one-stage schedule has no transfers"
@@ -279,12 +299,13 @@ class StageRun:
         for index in range(len(record.outputs) - 1, -1, -1):
             block_inputs = [t for t in tensors_of(record.inputs[index]) if t.requires_grad]
             params = _block_params(self.module, self.module.chunk_blocks(chunk)[index])
-            if outs:
-                record.pending.append((outs, grads, params))
             if not block_inputs or not outs:  # (token ids on the first stage need no gradient)
+                if outs:
+                    record.pending.append(backward_weights_later(outs, grads, params))
                 next_outs, next_grads = [], []
             else:
-                found = torch.autograd.grad(outs, block_inputs, grads, retain_graph=True, allow_unused=True)
+                found, deferred = backward_input(outs, grads, block_inputs, params)
+                record.pending.append(deferred)
                 next_outs = [t for t, g in zip(block_inputs, found, strict=True) if g is not None]
                 next_grads = [g for g in found if g is not None]
                 if index == 0:  # the chunk's input: its gradient goes to the previous stage
@@ -296,10 +317,8 @@ class StageRun:
         self.in_flight -= 1
 
     def _backward_weight(self, micro: int, chunk: int) -> None:
-        record = self.blocks.pop((micro, chunk))
-        for outs, grads, params in record.pending:
-            if params:
-                torch.autograd.backward(outs, grads, inputs=params)
+        for deferred in self.blocks.pop((micro, chunk)).pending:
+            deferred.run()
 
 
 def _differentiable_of(outputs: Any, inputs: Any, seen: list[torch.Tensor], grads: list[torch.Tensor]
