@@ -218,20 +218,18 @@ class StageLink:
         channel = self._outgoing.setdefault((dst_stage, kind), _Channel())
         layout = tuple(tokens[3:])
         same = layout == channel.layout
-        first = torch.empty(_FRAME_BYTES + channel.body, dtype=torch.uint8)
-        frame = first[:_FRAME_BYTES].view(torch.int64)
-        frame.zero_()
-        frame[0], frame[1] = int(same), len(tokens)
-        head = tokens[:_HEAD]
-        frame[2:2 + len(head)] = torch.tensor(head, dtype=torch.int64)
+        first = torch.empty(_FRAME_BYTES + channel.body, dtype=torch.uint8, device=self.device)
+        head = [int(same), len(tokens), *tokens[:_HEAD]]
+        frame = torch.tensor(head + [0] * (_FRAME - len(head)), dtype=torch.int64)
+        first[:_FRAME_BYTES].view(torch.int64).copy_(frame)
         buffers = [first]
         if same:
             _pack(first[_FRAME_BYTES:], tensors, offsets)
         else:
             if len(tokens) > _HEAD:
-                buffers.append(torch.tensor(tokens[_HEAD:], dtype=torch.int64))
+                buffers.append(torch.tensor(tokens[_HEAD:], dtype=torch.int64, device=self.device))
             if body_size:
-                body = torch.empty(body_size, dtype=torch.uint8)
+                body = torch.empty(body_size, dtype=torch.uint8, device=self.device)
                 _pack(body, tensors, offsets)
                 buffers.append(body)
             channel.layout, channel.body = layout, body_size
@@ -279,7 +277,7 @@ class StageLink:
         same, count = bool(frame[0]), frame[1]
         tokens = frame[2:2 + min(count, _HEAD)]
         if count > _HEAD:  # taken before any check: the channel stays in step
-            rest = torch.empty(count - _HEAD, dtype=torch.int64)
+            rest = torch.empty(count - _HEAD, dtype=torch.int64, device=self.device)
             self._recv(rest, kind, micro, src_stage)
             tokens += rest.tolist()
         got_kind, got_micro, skeleton, specs = decode_header(tokens)
