@@ -198,8 +198,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         if self.scaler.loss_scale != 1.0:
             grads.div_(self.scaler.loss_scale)
         # One number answers both questions: the global norm is finite iff no rank has an inf/nan.
-        local = grads.local_norm()
-        norm = float(self.state.sum_over_ranks(local.double().square()).sqrt())
+        norm = float(self.state.squared_norm(grads).sqrt())
         overflow = self.policy.check_overflow and not math.isfinite(norm)
         self.scaler.update(overflow)
         self._publish_scale(overflow)

@@ -19,6 +19,7 @@ from zerospeed.data.loader import DistributedLoader
 from zerospeed.distributed.comm import Comm
 from zerospeed.distributed.env import DEFAULT_TIMEOUT, init_distributed, process_group_timeout
 from zerospeed.distributed.groups import group_rank, group_size
+from zerospeed.distributed.mesh import Mesh
 from zerospeed.engine import Engine
 from zerospeed.precision.policy import MixedPrecisionPolicy
 from zerospeed.profiling.timers import NoTimers, PhaseTimers, WallClockTimers
@@ -73,6 +74,7 @@ def initialize(args: Any = None, model: nn.Module | None = None,
         raise TypeError("zerospeed.initialize got a model as its first argument (args); pass it as model=...")
     if model is None:
         raise ValueError("zerospeed.initialize needs model=... (an nn.Module)")
+    from zerospeed.moe import setup as moe_setup
     from zerospeed.pipe import setup as pipe_setup
     from zerospeed.pipe.module import PipelineModule
     from zerospeed.tensor_parallel import setup as tp_setup
@@ -87,6 +89,7 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     tp_settings = _tensor_parallel_settings(source)
     dims = tp_setup.declared_dims(world, model=model, mpu=mpu, autotp_size=int(tp_settings.get("autotp_size") or 0),
                                   pipeline_stages=pipeline.num_stages if pipeline is not None else 1)
+    dims = moe_setup.with_experts(dims, model)
     if pipeline is not None:
         pipe_setup.check_dims(pipeline, dims)
     # batch arithmetic over the data-parallel ranks; pipeline.stages "auto" is the module's
@@ -116,11 +119,12 @@ def initialize(args: Any = None, model: nn.Module | None = None,
         schedule = pipe_setup.schedule_settings(cfg, pipeline, training.gradient_accumulation_steps)
     model.to(get_accelerator().torch_device(info.local_rank))
     _detach_previous_engine(model)
+    moe_setup.bind(model, mesh)
     tp_setup.apply_config_autotp(model, mesh, tp_settings)
     tp_setup.check_model_groups(model, mesh)
     layout = tp_setup.layout_of(model, mesh)
     policy.cast_module(model)
-    _broadcast_from_rank0(model, comm)
+    _broadcast_from_rank0(model, comm, experts=mesh.comm("edp"))
     tp_setup.broadcast_replicated(model, mesh, layout)
     norm = tp_setup.norm_scope(model, mesh, layout)
     parts = None
@@ -130,11 +134,16 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     trainable = [p for p in model.parameters() if p.requires_grad]
     # The optimizer is made while the parameters are still whole (Adagrad makes its state at once).
     offload = _optimizer_offload(zero)
+    if optimizer is None and cfg.optimizer is not None and moe_setup.has_experts(model):
+        model_parameters = moe_setup.optimizer_groups(list(model_parameters or trainable))
     opt = _build_optimizer(optimizer, model_parameters, trainable, cfg, cpu_offload=offload)
     if offload:
         _warn_if_slow_on_cpu(opt)
-    state = _model_state(model, cfg, comm, policy, zero=zero, training=training, has_optimizer=opt is not None,
-                         norm=norm)
+    if moe_setup.has_experts(model):
+        state: ModelState = _split_state(model, cfg, mesh, policy, zero=zero, norm=norm)
+    else:
+        state = _model_state(model, cfg, comm, policy, zero=zero, training=training, has_optimizer=opt is not None,
+                             norm=norm)
     if opt is not None:
         if state.stage > 0:
             check_supported(opt, cfg.zero_allow_untested_optimizer)
@@ -262,13 +271,16 @@ def _detach_previous_engine(model: nn.Module) -> None:
         state.detach_model()
 
 
-def _broadcast_from_rank0(model: nn.Module, comm: Comm) -> None:
+def _broadcast_from_rank0(model: nn.Module, comm: Comm, *, experts: Comm) -> None:
     """Start every rank from rank 0's weights and buffers, as DDP and DeepSpeed do (parameters
-    partitioned by zero.Init were broadcast when they were made)."""
+    partitioned by zero.Init were broadcast when they were made); expert parameters from the first
+    rank of their expert-data-parallel group (the ranks holding the same experts)."""
+    from zerospeed.moe.utils import is_moe_param
+
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
             if init_partition(tensor) is None:
-                comm.broadcast(tensor.data, src=0)
+                (experts if is_moe_param(tensor) else comm).broadcast(tensor.data, src=0)
 
 
 def _model_state(model: nn.Module, cfg: Config, comm: Comm, policy: MixedPrecisionPolicy, *, zero: ZeroPolicy,
@@ -300,6 +312,26 @@ def _model_state(model: nn.Module, cfg: Config, comm: Comm, policy: MixedPrecisi
                         accum_dtype=policy.grad_accum_dtype, reduction=reduction_policy(cfg, policy),
                         zero_cfg=zero, external=external_parameters(model), store=store, overlap_step=overlap,
                         norm=norm)
+
+
+def _split_state(model: nn.Module, cfg: Config, mesh: Mesh, policy: MixedPrecisionPolicy, *, zero: ZeroPolicy,
+                 norm: NormScope) -> ModelState:
+    """A model with experts: dense parameters over the data-parallel group, experts over theirs."""
+    from zerospeed.moe import setup as moe_setup
+    from zerospeed.moe.utils import is_moe_param
+    from zerospeed.zero.split_state import SplitState
+
+    if zero.stage != 0:
+        raise NotImplementedError(f"zero_optimization.stage={zero.stage} with MoE layers is not built yet (it lands "
+                                  f"with issue 19's ZeRO part); use stage 0")
+    dense = ReplicatedState(model, mesh.dp, master_dtype=policy.master_dtype, accum_dtype=policy.grad_accum_dtype,
+                            bucket_elems=zero.reduce_bucket_size, reduction=reduction_policy(cfg, policy), norm=norm,
+                            owns=lambda p: not is_moe_param(p))
+    experts = ReplicatedState(model, mesh.comm("edp"), master_dtype=policy.master_dtype,
+                              accum_dtype=policy.grad_accum_dtype, bucket_elems=zero.reduce_bucket_size,
+                              reduction=moe_setup.expert_reduction(reduction_policy(cfg, policy), mesh),
+                              norm=moe_setup.expert_norm(norm, mesh), owns=is_moe_param)
+    return SplitState([dense, experts])
 
 
 def _optimizer_offload(zero: ZeroPolicy) -> bool:

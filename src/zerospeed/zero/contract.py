@@ -56,6 +56,15 @@ class ModelState(Protocol):
         """The torch optimizer, once :meth:`adopt` re-pointed it at this state's masters or shards."""
         ...
 
+    @property
+    def unit_count(self) -> int:
+        """How many units checkpoints and ``resident_state`` index (0: none, everything at once)."""
+        ...
+
+    def keeps(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` (a model parameter) is one this state trains or holds."""
+        ...
+
     def adopt(self, optimizer: torch.optim.Optimizer) -> None:
         """Take over ``optimizer``: its groups now hold this state's fp32 masters (or this rank's pieces)."""
 
@@ -77,6 +86,11 @@ class ModelState(Protocol):
 
     def sum_over_ranks(self, local: torch.Tensor) -> torch.Tensor:
         """The sum of a per-rank partial (a squared norm) over the ranks that share gradients."""
+        ...
+
+    def squared_norm(self, grads: StepGrads) -> torch.Tensor:
+        """The global squared norm (float64) of ``grads`` (from :meth:`step_grads`), every parameter
+        counted once over all ranks."""
         ...
 
     def apply(self) -> None:

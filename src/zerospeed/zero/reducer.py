@@ -61,18 +61,24 @@ class ReductionPolicy:
     reduce_dtype: torch.dtype | None = None  # None: reduce in the accumulation dtype
     prescale: bool = False
     predivide_factor: float = 1.0
+    # the sum over the reducing group is divided by this many ranks (None: the group's size). Expert
+    # parameters are summed over their expert-data-parallel group but averaged over the whole
+    # data-parallel size, as DeepSpeed does: their tokens came from every data-parallel rank.
+    average_over: int | None = None
 
     def __post_init__(self) -> None:
         if self.predivide_factor <= 0:
             raise ValueError(f"gradient_predivide_factor={self.predivide_factor} must be > 0")
 
     def before(self, flat: torch.Tensor, world: int) -> None:
+        world = self.average_over or world
         if self.prescale:
             flat.div_(world)
         elif self.predivide_factor != 1.0:
             flat.mul_(1.0 / self.predivide_factor)
 
     def after(self, flat: torch.Tensor, world: int) -> None:
+        world = self.average_over or world
         if not self.prescale and self.predivide_factor != world:
             flat.mul_(self.predivide_factor / world)
 

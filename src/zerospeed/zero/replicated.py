@@ -8,7 +8,7 @@ engine drives through the same calls (``begin_backward`` / ``end_backward`` / ``
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager, Iterator, Sequence
+from typing import Callable, ContextManager, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -29,13 +29,17 @@ class ReplicatedState:
     stage = 0
 
     def __init__(self, model: nn.Module, comm: Comm, *, master_dtype: torch.dtype, accum_dtype: torch.dtype,
-                 bucket_elems: int, reduction: ReductionPolicy, norm: NormScope = NormScope()):
+                 bucket_elems: int, reduction: ReductionPolicy, norm: NormScope = NormScope(),
+                 owns: Callable[[nn.Parameter], bool] | None = None):
         """``norm``: how the global gradient norm counts parameters when the model is split beyond data
-        parallelism (after the all-reduce every data-parallel rank holds the same averaged gradients)."""
+        parallelism (after the all-reduce every data-parallel rank holds the same averaged gradients).
+        ``owns``: which of the model's parameters this state keeps (default all; a :class:`SplitState`
+        gives expert parameters to a state over their own replica group)."""
         self.module = model
         self.comm = comm
         self.norm = norm
-        self.model_params = [p for p in model.parameters() if p.requires_grad]
+        self._owns = owns
+        self.model_params = [p for _, p in self._named() if p.requires_grad]
         if self.model_params and self.model_params[0].dtype != master_dtype:
             self.master_params = [nn.Parameter(p.detach().to(master_dtype).clone()) for p in self.model_params]
         else:
@@ -45,6 +49,11 @@ class ReplicatedState:
         self.optimizer: torch.optim.Optimizer | None = None
         for i, p in enumerate(self.model_params):
             set_owner(p, ReplicatedParamRef(self, i))
+
+    unit_count = 0
+
+    def keeps(self, param: torch.Tensor) -> bool:
+        return any(p is param for _, p in self._named())
 
     def adopt(self, optimizer: torch.optim.Optimizer) -> None:
         """Point the optimizer's groups at the fp32 masters (its state is still empty here)."""
@@ -60,6 +69,10 @@ class ReplicatedState:
                         k: v.to(by_id[id(p)].dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
                         for k, v in state.items()}
             group["params"] = [by_id.get(id(p), p) for p in group["params"]]
+
+    def _named(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """The model's parameters this state keeps, by name, in the module's order."""
+        return ((name, p) for name, p in self.module.named_parameters() if self._owns is None or self._owns(p))
 
     # -- backward ---------------------------------------------------------------------------
     def begin_backward(self, reduce: bool) -> None:
@@ -83,12 +96,15 @@ class ReplicatedState:
         skip: list[list[tuple[int, int]]] = [[] for _ in self.buckets.reducer.buckets]
         if not self.norm.counted_elsewhere:
             return skip
-        for name, p in self.module.named_parameters():
+        for name, p in self._named():
             if name in self.norm.counted_elsewhere and p.requires_grad:
                 b, slot = self.buckets.reducer.where(p)
                 s = self.buckets.reducer.buckets[b].slots[slot]
                 skip[b].append((s.offset, s.end))
         return [sorted(ranges) for ranges in skip]
+
+    def squared_norm(self, grads: StepGrads) -> torch.Tensor:
+        return self.sum_over_ranks(grads.local_norm().double().square())
 
     def sum_over_ranks(self, local: torch.Tensor) -> torch.Tensor:
         """Gradients are replicated over data parallelism after the all-reduce: only the axes that split
@@ -101,6 +117,8 @@ class ReplicatedState:
         for master, model in zip(self.master_params, self.model_params, strict=True):
             master.grad = self.buckets.grad_of(model).to(master.dtype)
         self.optimizer.step()
+        for master in self.master_params:  # a state sharing the optimizer (SplitState) steps after this one
+            master.grad = None
         if self.master_params is not self.model_params:
             with torch.no_grad():
                 for master, model in zip(self.master_params, self.model_params, strict=True):
@@ -132,22 +150,23 @@ class ReplicatedState:
         return contextlib.nullcontext()
 
     def memory_breakdown(self) -> dict[str, int]:
-        params = storage_bytes(list(self.module.parameters()))
+        own = [p for _, p in self._named()]
+        params = storage_bytes(own)
         grads = storage_bytes(self.buckets.flat_buffers())
-        states = storage_bytes(self._state_tensors(), exclude=list(self.module.parameters()))
+        states = storage_bytes(self._state_tensors(), exclude=own)
         return {"params": params, "grads": grads, "optimizer_states": states,
                 "total": params + grads + states, "buffers": 0, "offloaded": 0, "on_nvme": 0}
 
     def _state_tensors(self) -> list[torch.Tensor]:
         out: list[torch.Tensor] = list(self.master_params)  # the model's own parameters when there are no masters: excluded by the caller
         if self.optimizer is not None:
-            for state in self.optimizer.state.values():
-                out += [v for v in state.values() if isinstance(v, torch.Tensor)]
+            for master in self.master_params:
+                out += [v for v in self.optimizer.state.get(master, {}).values() if isinstance(v, torch.Tensor)]
         return out
 
     # -- checkpoints -------------------------------------------------------------------------
     def checkpoint_params(self) -> list[ParamInfo]:
-        return [ParamInfo(name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in self.module.named_parameters()]
+        return [ParamInfo(name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in self._named()]
 
     def checkpoint_groups(self) -> CheckpointGroups:
         """Everything is in memory: one visit of everything."""
@@ -161,7 +180,7 @@ class ReplicatedState:
             raise ValueError("ReplicatedState has no units: call checkpoint_slots(for_save) without units")
         master_of = {id(p): m for p, m in zip(self.model_params, self.master_params, strict=True)}
         out = []
-        for name, p in self.module.named_parameters():
+        for name, p in self._named():
             master = master_of.get(id(p), p)
             if not master.is_contiguous():
                 raise ValueError(f"parameter {name} is not contiguous; checkpoints need contiguous parameters")
@@ -172,7 +191,7 @@ class ReplicatedState:
 
     def full_param_values(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every parameter's value, by name (already whole here)."""
-        return ((name, p.detach()) for name, p in self.module.named_parameters())
+        return ((name, p.detach()) for name, p in self._named())
 
     def after_checkpoint_load(self, units: Sequence[int] | None = None) -> None:
         """The masters were overwritten: copy them into the model and drop stale gradients

@@ -209,6 +209,16 @@ class ShardedState:
         self.grads.finish()
         return self.grads.step_grads()
 
+    @property
+    def unit_count(self) -> int:
+        return len(self.units)
+
+    def keeps(self, param: torch.Tensor) -> bool:
+        return any(p is param for unit in self.units for p in unit.params)
+
+    def squared_norm(self, grads: StepGrads) -> torch.Tensor:
+        return self.sum_over_ranks(grads.local_norm().double().square())
+
     def sum_over_ranks(self, local: torch.Tensor) -> torch.Tensor:
         total = local.detach().to(device=self.store.compute.device, dtype=torch.float64).reshape(1).clone()
         self.comm.all_reduce(total)
