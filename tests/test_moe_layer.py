@@ -272,3 +272,43 @@ def test_expert_parallel_matches_single_process(world_size: int, k: int) -> None
                 assert forward == backward == 2 * len(group) * NUM_EXPERTS * capacity * HIDDEN * elem, key
                 for m in members:
                     assert m["calls"][key] == {"all_to_all": 2}, key
+
+
+# -- the comm door's all_to_all_single ------------------------------------------------------------
+def _all_to_all_single() -> dict:
+    from zerospeed.distributed import Comm
+
+    comm = Comm()
+    rank, ws = comm.rank, comm.world_size
+    # rank r sends (r + p) % 3 rows of 2 to rank p: uneven, and some splits are zero
+    send_splits = [(rank + p) % 3 for p in range(ws)]
+    recv_splits = [(q + rank) % 3 for q in range(ws)]
+    rows = torch.cat([torch.full((n, 2), 10.0 * rank + p) for p, n in enumerate(send_splits)])
+    out = torch.empty(sum(recv_splits), 2)
+    comm.all_to_all_single(out, rows, recv_splits, send_splits)
+    expected = torch.cat([torch.full((n, 2), 10.0 * q + rank) for q, n in enumerate(recv_splits)])
+    even_in = torch.arange(2.0 * ws) + 100 * rank
+    even_out = torch.empty_like(even_in)
+    comm.all_to_all_single(even_out, even_in, op="metadata")
+    errors = []
+    for bad in (lambda: comm.all_to_all_single(out, rows, recv_splits, send_splits[:-1]),
+                lambda: comm.all_to_all_single(out, rows, recv_splits, [n + 1 for n in send_splits]),
+                lambda: comm.all_to_all_single(torch.empty(4), torch.empty(4))):
+        try:
+            bad()
+        except ValueError as exc:
+            errors.append(str(exc))
+    return {"ok": torch.equal(out, expected),
+            "even": even_out.tolist() == [100.0 * q + 2 * rank + i for q in range(ws) for i in range(2)],
+            "bytes": dict(comm.stats.bytes), "calls": dict(comm.stats.calls), "errors": errors,
+            "sent": sum(send_splits) * 2 * 4}
+
+
+@pytest.mark.spawns
+def test_comm_all_to_all_single_uneven_and_counted() -> None:
+    results = run_distributed(_all_to_all_single, 3, timeout=120)
+    for res in results:
+        assert res["ok"] and res["even"]
+        assert res["bytes"] == {"all_to_all": res["sent"], "metadata": 2 * 3 * 4}
+        assert res["calls"] == {"all_to_all": 1, "metadata": 1}  # refused calls enter no collective
+        assert "3 ranks" in res["errors"][0] and "sum to" in res["errors"][1] and "not divisible" in res["errors"][2]
