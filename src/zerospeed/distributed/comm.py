@@ -22,7 +22,7 @@ native) and overridable there; ``benchmarks/bench_comm.py --reduce-scatter`` mea
 
 Byte accounting: ``stats.bytes[op]`` adds the size of the *whole* logical tensor of each call:
 the tensor for all_reduce / broadcast / send / recv, the full input (all ranks' parts) for
-reduce_scatter, the full output for all_gather, and this rank's inputs for all_to_all. Padding
+reduce_scatter, the full output for all_gather, and this rank's input for all_to_all and all_to_all_single. Padding
 is not counted. A reduce_scatter that runs as an all_reduce is still counted as one
 reduce_scatter call of its input's bytes, so counters describe what the caller asked for and do
 not change with the policy. The ZeRO paper's volumes follow from these by the usual factors.
@@ -501,6 +501,42 @@ class Comm:
                 offset += out.numel()
 
         return self._run("all_to_all", seq, work, async_op, finish)
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
+                          output_split_sizes: Sequence[int] | None = None,
+                          input_split_sizes: Sequence[int] | None = None,
+                          async_op: bool = False, *, op: str = "all_to_all") -> Handle | None:
+        """Split ``input`` along dim 0, send part i to rank i, receive rank i's part into ``output``.
+
+        Split sizes count rows (dim 0) as in ``torch.distributed``; None splits evenly. ``op`` is
+        the name the bytes are counted under (this rank's input, as for :meth:`all_to_all`), so a
+        caller can keep a small metadata exchange apart from its payload.
+        """
+        for name, tensor, splits in (("input", input, input_split_sizes), ("output", output, output_split_sizes)):
+            if not tensor.is_contiguous():
+                raise ValueError(f"all_to_all_single: {name} must be contiguous")
+            rows = tensor.shape[0] if tensor.dim() else 1
+            if splits is None:
+                if rows % self.world_size:
+                    raise ValueError(f"all_to_all_single: {name} has {rows} rows, not divisible by the group size "
+                                     f"{self.world_size}; pass {name}_split_sizes")
+            else:
+                if len(splits) != self.world_size:
+                    raise ValueError(f"all_to_all_single: {name}_split_sizes has {len(splits)} entries for a group "
+                                     f"of {self.world_size} ranks")
+                if sum(splits) != rows:
+                    raise ValueError(f"all_to_all_single: {name}_split_sizes={list(splits)} sum to {sum(splits)} "
+                                     f"but {name} has {rows} rows")
+        if input.dtype != output.dtype:
+            raise TypeError(f"all_to_all_single: input is {input.dtype} but output is {output.dtype}")
+        seq = self._enter(op, _nbytes([input]))
+        work = dist.all_to_all_single(
+            output, input,
+            output_split_sizes=None if output_split_sizes is None else list(output_split_sizes),
+            input_split_sizes=None if input_split_sizes is None else list(input_split_sizes),
+            group=self.group, async_op=True,
+        )
+        return self._run(op, seq, work, async_op)
 
     def barrier(self, async_op: bool = False) -> Handle | None:
         """Wait until every rank of the group gets here (an all_reduce of one element, so it times out)."""
