@@ -126,3 +126,104 @@ def test_expert_gradients_average_over_all_ranks_and_the_norm_is_global(config_o
             torch.testing.assert_close(torch.tensor(value), want, rtol=0, atol=1e-5)
         for value, want in zip(got["expert"], ref["experts"][got["ep_rank"]], strict=True):
             torch.testing.assert_close(torch.tensor(value), want, rtol=0, atol=1e-5)
+
+
+# -- the real layer: ep=2 with 4 experts on 4 ranks, dropless, through initialize ---------------------
+D, EXPERTS, TOKENS = 8, 4, 6
+
+
+def _moe_model(k: int, ep_size: int, num_experts: int = EXPERTS) -> nn.Module:
+    from zerospeed.moe.layer import MoE
+
+    torch.manual_seed(3)
+    embed = nn.Linear(D, D)
+    expert = nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D))
+    moe = MoE(D, expert, num_experts=num_experts, ep_size=ep_size, k=k, drop_tokens=False,
+              top2_2nd_expert_sampling=False)
+    head = nn.Linear(D, D)
+    return nn.ModuleDict({"embed": embed, "moe": moe, "head": head})
+
+
+def _moe_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    h, l_aux, _ = model["moe"](torch.tanh(model["embed"](x)))
+    return F.mse_loss(model["head"](h), y) + 0.01 * l_aux
+
+
+def _moe_batch(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(5000 + 100 * step + 10 * micro + rank)
+    return torch.randn(TOKENS, D, generator=g), torch.randn(TOKENS, D, generator=g)
+
+
+class _Wrap(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return _moe_loss(self.inner, x, y)
+
+
+def _expert_values(model: nn.Module) -> dict[str, list]:
+    """Every parameter by name, experts under their global index."""
+    moe = model["moe"]
+    out = {}
+    for name, p in model.named_parameters():
+        if ".deepspeed_experts." in name:
+            prefix, rest = name.split(".deepspeed_experts.")
+            local, tail = rest.split(".", 1)
+            global_index = moe.deepspeed_moe.ep_rank * moe.num_local_experts + int(local)
+            name = f"{prefix}.deepspeed_experts.{global_index}.{tail}"
+        out[name] = p.detach().clone().tolist()
+    return out
+
+
+def _moe_rank(k: int) -> dict:
+    import torch.distributed as dist
+
+    import zerospeed
+
+    rank = dist.get_rank()
+    model = _moe_model(k, EP)
+    config = {"train_micro_batch_size_per_gpu": TOKENS, "gradient_accumulation_steps": ACCUM,
+              "gradient_clipping": 0.5, "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.01}}}
+    engine, _, _, _ = zerospeed.initialize(model=_Wrap(model), config=config)
+    losses = []
+    for step in range(STEPS + 2):
+        for micro in range(ACCUM):
+            loss = engine(*_moe_batch(step, micro, rank))
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss))
+    return {"losses": losses, "params": _expert_values(model), "has_moe": engine.has_moe_layers}
+
+
+def _moe_reference(k: int) -> dict:
+    model = _moe_model(k, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.01)
+    losses: list[list[float]] = [[] for _ in range(WORLD)]
+    for step in range(STEPS + 2):
+        for micro in range(ACCUM):
+            per_rank = [_moe_loss(model, *_moe_batch(step, micro, rank)) for rank in range(WORLD)]
+            for rank, loss in enumerate(per_rank):
+                losses[rank].append(float(loss.detach()))
+            (torch.stack(per_rank).mean() / ACCUM).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "params": {n: p.detach() for n, p in model.named_parameters()}}
+
+
+@pytest.mark.spawns
+@pytest.mark.parametrize("k", [1, 2])
+def test_moe_ep2_on_4_ranks_trains_as_one_process(k: int) -> None:
+    results = run_distributed(_moe_rank, WORLD, k)
+    ref = _moe_reference(k)
+    for rank, got in enumerate(results):
+        assert got["has_moe"] is True
+        assert got["losses"] == pytest.approx(ref["losses"][rank], rel=1e-5, abs=1e-6)
+        held = {name: value for name, value in got["params"].items()}
+        names = {name.removeprefix("inner.") for name in held}
+        assert {n for n in ref["params"] if ".deepspeed_experts." not in n} <= names
+        for name, value in held.items():
+            torch.testing.assert_close(torch.tensor(value), ref["params"][name.removeprefix("inner.")],
+                                       rtol=0, atol=1e-5)

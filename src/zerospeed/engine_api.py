@@ -111,8 +111,10 @@ class DeepSpeedEngineAPI(DeepSpeedConfigGetters):
 
     @property
     def has_moe_layers(self) -> bool:
-        """False: zerospeed has no MoE layers yet."""
-        return False
+        """Whether the model has mixture-of-experts layers (DeepSpeed's ``engine.has_moe_layers``)."""
+        from zerospeed.moe.setup import expert_layers
+
+        return bool(expert_layers(self.module))
 
     @property
     def pipeline_parallelism(self) -> bool:
