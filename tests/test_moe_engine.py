@@ -132,26 +132,39 @@ def test_expert_gradients_average_over_all_ranks_and_the_norm_is_global(config_o
 D, EXPERTS, TOKENS = 8, 4, 6
 
 
-def _moe_model(k: int, ep_size: int, num_experts: int = EXPERTS) -> nn.Module:
+def _moe_model(k: int, ep_size: int, num_experts: int = EXPERTS, starve: bool = False) -> nn.Module:
+    """``starve``: the gate scores the last expert by the first input feature alone, so rank 0 (whose
+    tokens have it at +3) sends it nothing while the other ranks always do."""
     from zerospeed.moe.layer import MoE
 
     torch.manual_seed(3)
-    embed = nn.Linear(D, D)
+    embed = nn.Identity() if starve else nn.Linear(D, D)
     expert = nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D))
     moe = MoE(D, expert, num_experts=num_experts, ep_size=ep_size, k=k, drop_tokens=False,
               top2_2nd_expert_sampling=False)
+    if starve:
+        with torch.no_grad():
+            wg = moe.deepspeed_moe.gate.wg.weight
+            wg.mul_(0.1)
+            wg[-1].zero_()
+            wg[-1, 0] = -4.0
     head = nn.Linear(D, D)
-    return nn.ModuleDict({"embed": embed, "moe": moe, "head": head})
+    parts = {"embed": embed, "moe": moe, "head": head}
+    return nn.ModuleDict({**parts, "starve": nn.Identity()} if starve else parts)
 
 
 def _moe_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    h, l_aux, _ = model["moe"](torch.tanh(model["embed"](x)))
+    inputs = x if "starve" in model else torch.tanh(model["embed"](x))
+    h, l_aux, _ = model["moe"](inputs)
     return F.mse_loss(model["head"](h), y) + 0.01 * l_aux
 
 
-def _moe_batch(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _moe_batch(step: int, micro: int, rank: int, starve: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(5000 + 100 * step + 10 * micro + rank)
-    return torch.randn(TOKENS, D, generator=g), torch.randn(TOKENS, D, generator=g)
+    x, y = torch.randn(TOKENS, D, generator=g), torch.randn(TOKENS, D, generator=g)
+    if starve:
+        x[:, 0] = 3.0 if rank == 0 else -3.0
+    return x, y
 
 
 class _Wrap(nn.Module):
@@ -177,33 +190,42 @@ def _expert_values(model: nn.Module) -> dict[str, list]:
     return out
 
 
-def _moe_rank(k: int) -> dict:
+def _moe_rank(k: int, stage: int = 0, starve: bool = False) -> dict:
     import torch.distributed as dist
 
     import zerospeed
 
     rank = dist.get_rank()
-    model = _moe_model(k, EP)
+    model = _moe_model(k, EP, starve=starve)
     config = {"train_micro_batch_size_per_gpu": TOKENS, "gradient_accumulation_steps": ACCUM,
-              "gradient_clipping": 0.5, "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.01}}}
+              "gradient_clipping": 0.5, "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.01}},
+              "zero_optimization": {"stage": stage}}
     engine, _, _, _ = zerospeed.initialize(model=_Wrap(model), config=config)
-    losses = []
+    losses, starved = [], []
     for step in range(STEPS + 2):
         for micro in range(ACCUM):
-            loss = engine(*_moe_batch(step, micro, rank))
+            loss = engine(*_moe_batch(step, micro, rank, starve))
+            starved.append(int(model["moe"].deepspeed_moe.exp_counts[-1]))
             engine.backward(loss)
             engine.step()
             losses.append(float(loss))
-    return {"losses": losses, "params": _expert_values(model), "has_moe": engine.has_moe_layers}
+    if stage == 3:
+        from zerospeed.zero import GatheredParameters
+
+        with GatheredParameters(list(model.parameters())):
+            values = _expert_values(model)
+    else:
+        values = _expert_values(model)
+    return {"losses": losses, "params": values, "has_moe": engine.has_moe_layers, "last_expert_tokens": starved}
 
 
-def _moe_reference(k: int) -> dict:
-    model = _moe_model(k, 1)
+def _moe_reference(k: int, starve: bool = False) -> dict:
+    model = _moe_model(k, 1, starve=starve)
     opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.01)
     losses: list[list[float]] = [[] for _ in range(WORLD)]
     for step in range(STEPS + 2):
         for micro in range(ACCUM):
-            per_rank = [_moe_loss(model, *_moe_batch(step, micro, rank)) for rank in range(WORLD)]
+            per_rank = [_moe_loss(model, *_moe_batch(step, micro, rank, starve)) for rank in range(WORLD)]
             for rank, loss in enumerate(per_rank):
                 losses[rank].append(float(loss.detach()))
             (torch.stack(per_rank).mean() / ACCUM).backward()
@@ -214,10 +236,14 @@ def _moe_reference(k: int) -> dict:
 
 
 @pytest.mark.spawns
-@pytest.mark.parametrize("k", [1, 2])
-def test_moe_ep2_on_4_ranks_trains_as_one_process(k: int) -> None:
-    results = run_distributed(_moe_rank, WORLD, k)
-    ref = _moe_reference(k)
+@pytest.mark.parametrize("k,stage,starve", [(1, 0, False), (2, 0, False), (2, 1, False), (1, 2, False),
+                                            (2, 3, False), (2, 2, True), (2, 3, True)])
+def test_moe_ep2_on_4_ranks_trains_as_one_process(k: int, stage: int, starve: bool) -> None:
+    results = run_distributed(_moe_rank, WORLD, k, stage, starve)
+    ref = _moe_reference(k, starve)
+    if starve:  # the case is real: the last expert got no token from rank 0, and tokens from the others
+        assert set(results[0]["last_expert_tokens"]) == {0}
+        assert all(min(got["last_expert_tokens"]) > 0 for got in results[1:])
     for rank, got in enumerate(results):
         assert got["has_moe"] is True
         assert got["losses"] == pytest.approx(ref["losses"][rank], rel=1e-5, abs=1e-6)

@@ -140,7 +140,8 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     if offload:
         _warn_if_slow_on_cpu(opt)
     if moe_setup.has_experts(model):
-        state: ModelState = _split_state(model, cfg, mesh, policy, zero=zero, norm=norm)
+        state: ModelState = _split_state(model, cfg, mesh, policy, zero=zero, training=training,
+                                         has_optimizer=opt is not None, norm=norm)
     else:
         state = _model_state(model, cfg, comm, policy, zero=zero, training=training, has_optimizer=opt is not None,
                              norm=norm)
@@ -284,8 +285,12 @@ def _broadcast_from_rank0(model: nn.Module, comm: Comm, *, experts: Comm) -> Non
 
 
 def _model_state(model: nn.Module, cfg: Config, comm: Comm, policy: MixedPrecisionPolicy, *, zero: ZeroPolicy,
-                 training: TrainingPolicy, has_optimizer: bool = True, norm: NormScope = NormScope()) -> ModelState:
-    """Stage 0 keeps everything on every rank; stages 1-3 shard (see zerospeed.zero)."""
+                 training: TrainingPolicy, has_optimizer: bool = True, norm: NormScope = NormScope(),
+                 owns: Callable[[nn.Parameter], bool] | None = None,
+                 reduction: ReductionPolicy | None = None) -> ModelState:
+    """Stage 0 keeps everything on every rank; stages 1-3 shard (see zerospeed.zero). ``owns``: only
+    these parameters, over ``comm``; ``reduction``: how their gradients are averaged (default: the config's)."""
+    reduction = reduction or reduction_policy(cfg, policy)
     stage = zero.stage
     if stage == 0:
         for p in model.parameters():  # built under zero.Init but trained unsharded: make them whole
@@ -293,7 +298,8 @@ def _model_state(model: nn.Module, cfg: Config, comm: Comm, policy: MixedPrecisi
             if partition is not None:
                 p.data = partition.take_full().to(p.dtype)
                 clear_owner(p)
-        return _replicated(model, cfg, comm, policy, zero=zero, norm=norm)
+        return ReplicatedState(model, comm, master_dtype=policy.master_dtype, accum_dtype=policy.grad_accum_dtype,
+                               bucket_elems=zero.reduce_bucket_size, reduction=reduction, norm=norm, owns=owns)
     from zerospeed.offload.store import StateStore
     from zerospeed.zero.eager import StepOverlap
     from zerospeed.zero.sharded import ShardedState
@@ -309,28 +315,24 @@ def _model_state(model: nn.Module, cfg: Config, comm: Comm, policy: MixedPrecisi
                                  loss_scaled=policy.loss_scaling is not None, overflow_checked=policy.check_overflow,
                                  sub_group_size=zero.sub_group_size)
     return ShardedState(model, comm, stage=stage, master_dtype=policy.master_dtype,
-                        accum_dtype=policy.grad_accum_dtype, reduction=reduction_policy(cfg, policy),
+                        accum_dtype=policy.grad_accum_dtype, reduction=reduction,
                         zero_cfg=zero, external=external_parameters(model), store=store, overlap_step=overlap,
-                        norm=norm)
+                        norm=norm, owns=owns)
 
 
 def _split_state(model: nn.Module, cfg: Config, mesh: Mesh, policy: MixedPrecisionPolicy, *, zero: ZeroPolicy,
-                 norm: NormScope) -> ModelState:
-    """A model with experts: dense parameters over the data-parallel group, experts over theirs."""
+                 training: TrainingPolicy, has_optimizer: bool, norm: NormScope) -> ModelState:
+    """A model with experts: dense parameters over the data-parallel group, experts over their
+    expert-data-parallel group (averaged over the whole data-parallel size), at the configured stage."""
     from zerospeed.moe import setup as moe_setup
     from zerospeed.moe.utils import is_moe_param
     from zerospeed.zero.split_state import SplitState
 
-    if zero.stage != 0:
-        raise NotImplementedError(f"zero_optimization.stage={zero.stage} with MoE layers is not built yet (it lands "
-                                  f"with issue 19's ZeRO part); use stage 0")
-    dense = ReplicatedState(model, mesh.dp, master_dtype=policy.master_dtype, accum_dtype=policy.grad_accum_dtype,
-                            bucket_elems=zero.reduce_bucket_size, reduction=reduction_policy(cfg, policy), norm=norm,
-                            owns=lambda p: not is_moe_param(p))
-    experts = ReplicatedState(model, mesh.comm("edp"), master_dtype=policy.master_dtype,
-                              accum_dtype=policy.grad_accum_dtype, bucket_elems=zero.reduce_bucket_size,
-                              reduction=moe_setup.expert_reduction(reduction_policy(cfg, policy), mesh),
-                              norm=moe_setup.expert_norm(norm, mesh), owns=is_moe_param)
+    dense = _model_state(model, cfg, mesh.dp, policy, zero=zero, training=training, has_optimizer=has_optimizer,
+                         norm=norm, owns=lambda p: not is_moe_param(p))
+    experts = _model_state(model, cfg, mesh.comm("edp"), policy, zero=zero, training=training,
+                           has_optimizer=has_optimizer, norm=moe_setup.expert_norm(norm, mesh), owns=is_moe_param,
+                           reduction=moe_setup.expert_reduction(reduction_policy(cfg, policy), mesh))
     return SplitState([dense, experts])
 
 
@@ -357,12 +359,6 @@ def reduction_policy(cfg: Config, policy: MixedPrecisionPolicy) -> ReductionPoli
     """DeepSpeed's gradient averaging settings, as one value."""
     return ReductionPolicy(reduce_dtype=policy.reduce_dtype, prescale=cfg.prescale_gradients,
                            predivide_factor=cfg.gradient_predivide_factor)
-
-
-def _replicated(module: nn.Module, cfg: Config, comm: Comm, policy: MixedPrecisionPolicy, *,
-                zero: ZeroPolicy, norm: NormScope = NormScope()) -> ReplicatedState:
-    return ReplicatedState(module, comm, master_dtype=policy.master_dtype, accum_dtype=policy.grad_accum_dtype,
-                           bucket_elems=zero.reduce_bucket_size, reduction=reduction_policy(cfg, policy), norm=norm)
 
 
 def _build_optimizer(optimizer: Any, model_parameters: Any, trainable: list[nn.Parameter],

@@ -20,9 +20,9 @@ parameter registered with :func:`register_external_parameter`) gather that unit 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import math
+from dataclasses import dataclass, field
+from typing import Callable
 
 from torch import nn
 
@@ -59,10 +59,12 @@ class UnitSpec:
 
 
 def build_units(model: nn.Module, *, bucket_elems: int, persistence_threshold: int = 0, min_unit_elems: int = 0,
-                unit_classes: tuple[type, ...] | None = None) -> list[UnitSpec]:
+                unit_classes: tuple[type, ...] | None = None,
+                owns: Callable[[nn.Parameter], bool] | None = None) -> list[UnitSpec]:
     """Units of ``model`` in registration order (persistent parameters last, in one unit); neighbouring
     units smaller than ``min_unit_elems`` are joined, up to ``bucket_elems`` (stages 1-2, where no
-    module gathers a unit: a joined unit has no ``module_path``)."""
+    module gathers a unit: a joined unit has no ``module_path``). ``owns``: only these parameters
+    (a state over part of the model, e.g. its experts)."""
     by_name = dict(model.named_parameters())
     modules = dict(model.named_modules())
     classes = tuple(unit_classes) if unit_classes is not None else repeated_block_classes(model)
@@ -73,6 +75,8 @@ def build_units(model: nn.Module, *, bucket_elems: int, persistence_threshold: i
     for unit_name, entries in tree_units:
         names: list[str] = []
         for name, _shape in entries:
+            if owns is not None and not owns(by_name[name]):
+                continue
             (persistent if numel[name] < persistence_threshold else names).append(name)
         is_block = isinstance(modules.get(unit_name), classes) if classes else False
         module_path = "" if unit_name == ROOT else unit_name if is_block else None

@@ -12,7 +12,7 @@ import contextlib
 import functools
 import logging
 import time
-from typing import ContextManager, Iterator, Sequence
+from typing import Callable, ContextManager, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -50,7 +50,8 @@ class ShardedState:
     def __init__(self, model: nn.Module, comm: Comm, *, stage: int, master_dtype: torch.dtype,
                  accum_dtype: torch.dtype, reduction: ReductionPolicy, zero_cfg: ZeroPolicy,
                  external: dict[int, list[nn.Parameter]] | None = None, store: StateStore | None = None,
-                 overlap_step: StepOverlap | None = None, norm: NormScope = NormScope()):
+                 overlap_step: StepOverlap | None = None, norm: NormScope = NormScope(),
+                 owns: Callable[[nn.Parameter], bool] | None = None):
         """``store``: where state lives (default: all on the parameters' device); ``overlap_step``:
         whether the (offloaded) optimizer step may overlap backward (default: no); ``norm``: how the
         global gradient norm counts parameters when the model is split beyond data parallelism."""
@@ -65,7 +66,8 @@ class ShardedState:
         # stages 1-2: a unit is one reduce-scatter and one all-gather, so small ones are joined (stage
         # 3 gathers each unit around the module that owns it: the module tree's units stay)
         min_unit = min(MIN_UNIT_ELEMS, bucket) if stage < 3 else 0
-        specs = build_units(model, bucket_elems=bucket, persistence_threshold=threshold, min_unit_elems=min_unit)
+        specs = build_units(model, bucket_elems=bucket, persistence_threshold=threshold, min_unit_elems=min_unit,
+                            owns=owns)
         self.specs = specs
         self.plan = ShardPlan.build([(s.name, [(n, shape_of(p)) for n, p in zip(s.param_names, s.params)])
                                      for s in specs], comm.world_size)
