@@ -333,7 +333,7 @@ def _split_state(model: nn.Module, cfg: Config, mesh: Mesh, policy: MixedPrecisi
     experts = _model_state(model, cfg, mesh.comm("edp"), policy, zero=zero, training=training,
                            has_optimizer=has_optimizer, norm=moe_setup.expert_norm(norm, mesh), owns=is_moe_param,
                            reduction=moe_setup.expert_reduction(reduction_policy(cfg, policy), mesh))
-    return SplitState([dense, experts])
+    return SplitState([dense, experts], names=[{}, moe_setup.global_expert_names(model)])
 
 
 def _optimizer_offload(zero: ZeroPolicy) -> bool:

@@ -281,11 +281,15 @@ class ModelNames(NamedTuple):
 
 
 def _model_names(engine: CheckpointedEngine, topo: CheckpointTopology) -> ModelNames:
-    """This model's names; with pipeline stages, each holding its own layers, their union over the job
-    (collective)."""
-    params = [n for n, _ in engine.module.named_parameters(remove_duplicate=False)]
+    """This model's names (as checkpoints store them: experts by global index, tied aliases too); with
+    pipeline stages or expert parallelism, where ranks hold different layers or experts, their union
+    over the job (collective)."""
+    stored = [p.name for p in engine.state.checkpoint_params()]
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    aliases = [n for n, p in engine.module.named_parameters(remove_duplicate=False) if names[id(p)] != n]
+    params = stored + aliases
     buffers = list(_persistent_buffers(engine.module))
-    if topo.pipeline_degree == 1:
+    if topo.pipeline_degree == 1 and engine.mesh.dims.ep == 1:
         return ModelNames(frozenset(params), frozenset(buffers))
     held = topo.comm.all_gather_object((params, buffers))
     return ModelNames(frozenset(n for p, _ in held for n in p), frozenset(n for _, b in held for n in b))

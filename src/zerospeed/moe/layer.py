@@ -77,6 +77,11 @@ class MoE(nn.Module):
         """Whether the layer can run: ep_size 1, or an expert-parallel Comm is bound."""
         return self.ep_size == 1 or self.deepspeed_moe.ep_comm is not None
 
+    @property
+    def expert_offset(self) -> int:
+        """The global index of this rank's first local expert (its ep rank times ``num_local_experts``)."""
+        return self.deepspeed_moe.ep_rank * self.num_local_experts
+
     def bind_expert_parallel(self, comm: Comm) -> None:
         """Attach the expert-parallel Comm of this rank's ep group (``mesh.comm('ep')``).
 

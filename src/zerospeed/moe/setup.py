@@ -28,6 +28,11 @@ class ExpertParallelLayer(Protocol):
 
     ep_size: int
 
+    @property
+    def expert_offset(self) -> int:
+        """The global index of this rank's first local expert (0 until bound)."""
+        ...
+
     def bind_expert_parallel(self, comm: Comm) -> None:
         """Exchange tokens over ``comm`` (the expert-parallel group, of ``ep_size`` ranks)."""
 
@@ -71,6 +76,26 @@ def bind(model: nn.Module, mesh: Mesh) -> None:
             layer.bind_expert_parallel(comm)
 
 
+def global_expert_names(model: nn.Module) -> dict[str, str]:
+    """Each expert parameter's name with its expert's global index in place of the local one
+    (``...deepspeed_experts.<local>...`` -> ``...deepspeed_experts.<ep_rank * num_local + local>...``):
+    the names checkpoints store experts under, the same at every expert-parallel degree."""
+    out: dict[str, str] = {}
+    offsets = {id(layer): layer.expert_offset for _, layer in expert_layers(model)}
+    for prefix, module in model.named_modules():
+        if id(module) not in offsets:
+            continue
+        offset = offsets[id(module)]
+        for name, _ in module.named_parameters():
+            head, sep, rest = name.partition("deepspeed_experts.")
+            if not sep:
+                continue
+            local, dot, tail = rest.partition(".")
+            full = f"{prefix}.{name}" if prefix else name
+            out[full] = f"{prefix + '.' if prefix else ''}{head}{sep}{int(local) + offset}{dot}{tail}"
+    return out
+
+
 def optimizer_groups(params: list[Any]) -> list[Any]:
     """The parameters a configured optimizer is built from: expert parameters in groups of their own
     (as DeepSpeed's engine does for a model with MoE layers)."""
@@ -91,5 +116,5 @@ def expert_norm(dense: NormScope, mesh: Mesh) -> NormScope:
     return NormScope(counted_elsewhere=dense.counted_elsewhere, across=(mesh.comm("ep"), *dense.across))
 
 
-__all__ = ["ExpertParallelLayer", "bind", "expert_degree", "expert_layers", "expert_norm", "expert_reduction",
+__all__ = ["ExpertParallelLayer", "bind", "expert_degree", "global_expert_names", "expert_layers", "expert_norm", "expert_reduction",
            "has_experts", "optimizer_groups", "with_experts"]

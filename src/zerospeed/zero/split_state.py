@@ -12,7 +12,8 @@ and the gradient norm is the sum of each part's, each summed over the ranks its 
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager, Iterator, Sequence
+import dataclasses
+from typing import ContextManager, Iterator, Mapping, Sequence
 
 import torch
 
@@ -40,13 +41,16 @@ class SplitStepGrads(StepGrads):
 class SplitState:
     """A :class:`ModelState` made of ``parts``, states over disjoint parameter sets of one model."""
 
-    def __init__(self, parts: Sequence[ModelState]):
+    def __init__(self, parts: Sequence[ModelState], *, names: Sequence[Mapping[str, str]] = ()):
+        """``names``: per part, the name a checkpoint stores a parameter under when it is not the
+        module's (an expert by its global index, so a checkpoint reloads at any expert-parallel degree)."""
         if len(parts) < 2:
             raise ValueError(f"a SplitState needs at least two parts, got {len(parts)}")
         stages = {part.stage for part in parts}
         if len(stages) != 1:
             raise ValueError(f"the parts of a SplitState must be at one ZeRO stage, got {sorted(stages)}")
         self.parts = list(parts)
+        self.names = [dict(m) for m in names] + [{} for _ in range(len(parts) - len(names))]
         self.stage = parts[0].stage
         self._unit_counts: list[int] | None = None
 
@@ -187,7 +191,8 @@ class SplitState:
 
     # -- checkpoints ----------------------------------------------------------------------------
     def checkpoint_params(self) -> list[ParamInfo]:
-        return [info for part in self.parts for info in part.checkpoint_params()]
+        return [dataclasses.replace(info, name=names.get(info.name, info.name))
+                for part, names in zip(self.parts, self.names, strict=True) for info in part.checkpoint_params()]
 
     def checkpoint_groups(self) -> CheckpointGroups:
         groups: list[tuple[int, ...] | None] = []
@@ -204,9 +209,10 @@ class SplitState:
 
     def checkpoint_slots(self, for_save: bool, units: Sequence[int] | None = None) -> list[Slot]:
         out: list[Slot] = []
-        for part, own in zip(self.parts, self._route(units), strict=True):
+        for part, own, names in zip(self.parts, self._route(units), self.names, strict=True):
             if own is None or own:
-                out += part.checkpoint_slots(for_save, own)
+                out += [dataclasses.replace(slot, param=names[slot.param]) if slot.param in names else slot
+                        for slot in part.checkpoint_slots(for_save, own)]
         return out
 
     def after_checkpoint_load(self, units: Sequence[int] | None = None) -> None:
@@ -215,8 +221,9 @@ class SplitState:
                 part.after_checkpoint_load(own)
 
     def full_param_values(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for part in self.parts:
-            yield from part.full_param_values()
+        for part, names in zip(self.parts, self.names, strict=True):
+            for name, value in part.full_param_values():
+                yield names.get(name, name), value
 
     # -- lifetime -------------------------------------------------------------------------------
     def remove_hooks(self) -> None:
