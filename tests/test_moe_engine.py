@@ -27,6 +27,10 @@ class LocalExpert(nn.Module):
             p.group_name = f"ep_size_{EP}"  # type: ignore[attr-defined]
         self.bound_rank: int | None = None
 
+    @property
+    def expert_offset(self) -> int:
+        return self.global_index
+
     def bind_expert_parallel(self, comm) -> None:  # noqa: ANN001 - a zerospeed Comm
         if comm.world_size != self.ep_size:
             raise ValueError("wrong group")
@@ -190,7 +194,7 @@ def _expert_values(model: nn.Module) -> dict[str, list]:
     return out
 
 
-def _moe_rank(k: int, stage: int = 0, starve: bool = False) -> dict:
+def _moe_rank(k: int, stage: int = 0, starve: bool = False, offload: str = "") -> dict:
     import torch.distributed as dist
 
     import zerospeed
@@ -199,7 +203,8 @@ def _moe_rank(k: int, stage: int = 0, starve: bool = False) -> dict:
     model = _moe_model(k, EP, starve=starve)
     config = {"train_micro_batch_size_per_gpu": TOKENS, "gradient_accumulation_steps": ACCUM,
               "gradient_clipping": 0.5, "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.01}},
-              "zero_optimization": {"stage": stage}}
+              "zero_optimization": {"stage": stage, **({"offload_optimizer": {"device": "cpu"}} if offload else {}),
+                                    **({"offload_param": {"device": "cpu"}} if offload == "params" else {})}}
     engine, _, _, _ = zerospeed.initialize(model=_Wrap(model), config=config)
     losses, starved = [], []
     for step in range(STEPS + 2):
@@ -236,10 +241,11 @@ def _moe_reference(k: int, starve: bool = False) -> dict:
 
 
 @pytest.mark.spawns
-@pytest.mark.parametrize("k,stage,starve", [(1, 0, False), (2, 0, False), (2, 1, False), (1, 2, False),
-                                            (2, 3, False), (2, 2, True), (2, 3, True)])
-def test_moe_ep2_on_4_ranks_trains_as_one_process(k: int, stage: int, starve: bool) -> None:
-    results = run_distributed(_moe_rank, WORLD, k, stage, starve)
+@pytest.mark.parametrize("k,stage,starve,offload", [
+    (1, 0, False, ""), (2, 0, False, ""), (2, 1, False, ""), (1, 2, False, ""), (2, 3, False, ""),
+    (2, 2, True, ""), (2, 3, True, ""), (2, 2, False, "optimizer"), (2, 3, False, "params")])
+def test_moe_ep2_on_4_ranks_trains_as_one_process(k: int, stage: int, starve: bool, offload: str) -> None:
+    results = run_distributed(_moe_rank, WORLD, k, stage, starve, offload)
     ref = _moe_reference(k, starve)
     if starve:  # the case is real: the last expert got no token from rank 0, and tokens from the others
         assert set(results[0]["last_expert_tokens"]) == {0}
