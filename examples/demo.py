@@ -6,6 +6,11 @@ the DeepSpeed JSON config into a data-parallel bf16 engine with AdamW, a warmup-
 gradient clipping, and its loader gives each rank its share of fixed-length token windows. Rank 0
 shows progress and ends with a summary: train and validation loss before/after, throughput, peak
 memory of every rank, the config settings in force beyond the defaults, and a sampled continuation.
+
+``--moe_experts 4 --ep_size 2`` trains the mixture-of-experts variant instead: every other block's MLP
+becomes DeepSpeed's ``MoE`` layer over 4 experts (top-2, dropless), each rank holding 2 of them and
+exchanging tokens with the other by all-to-all (``zerospeed --num_procs 2 examples/demo.py --moe_experts 4
+--ep_size 2``).
 """
 
 from __future__ import annotations
@@ -107,6 +112,23 @@ def train(engine: zerospeed.Engine, loader: DistributedLoader, steps: int,
     return local.tolist(), elapsed, tokens * engine.comm.world_size
 
 
+def moe_options(args: argparse.Namespace) -> dict:
+    """The GPTConfig fields of the MoE variant (none for the dense demo)."""
+    if not args.moe_experts:
+        return {}
+    return {"moe_experts": args.moe_experts, "moe_every": args.moe_every, "moe_k": args.moe_k,
+            "ep_size": args.ep_size}
+
+
+def describe_moe(cfg: GPTConfig) -> str:
+    """The MoE part of the opening line (empty for the dense GPT, whose output stays as it was)."""
+    if not cfg.moe_experts:
+        return ""
+    routing = f"capacity {cfg.moe_capacity_factor}" if cfg.moe_drop_tokens else "dropless"
+    return (f"; MoE in blocks {list(cfg.moe_blocks())}: {cfg.moe_experts} experts, top-{cfg.moe_k}, "
+            f"ep_size {cfg.ep_size}, {routing}")
+
+
 def sample(model: GPT, prompt: str, new_tokens: int, seed: int) -> str:
     model.eval()
     out = model.generate(encode(prompt)[None], new_tokens, generator=torch.Generator().manual_seed(seed))
@@ -125,6 +147,11 @@ def main() -> None:
     parser.add_argument("--sample_tokens", type=int, default=200)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--full_config", action="store_true", help="print the whole resolved config")
+    parser.add_argument("--moe_experts", type=int, default=0,
+                        help="experts per MoE layer (0: the dense GPT); MoE runs at ZeRO stage 0")
+    parser.add_argument("--moe_every", type=int, default=2, help="every n-th block gets an MoE MLP")
+    parser.add_argument("--moe_k", type=int, default=2, help="experts per token")
+    parser.add_argument("--ep_size", type=int, default=1, help="expert-parallel degree (divides the rank count)")
     args = parser.parse_args()
 
     # The progress bar and summary say what the engine's INFO lines would (the full config is --full_config).
@@ -133,13 +160,14 @@ def main() -> None:
     torch.manual_seed(args.seed)
     train_tokens, val_tokens = split(cached_corpus(args.corpus_bytes))
     train_data, val_data = TokenWindows(train_tokens, args.seq_len), TokenWindows(val_tokens, args.seq_len)
-    model = GPT(GPTConfig(seq_len=args.seq_len))
+    model = GPT(GPTConfig(seq_len=args.seq_len, **moe_options(args)))
     config = load_demo_config(args.deepspeed_config, args.steps, args.zero_stage)
     engine, _, loader, _ = zerospeed.initialize(model=model, config=config, training_data=train_data)
     comm, cfg, show = engine.comm, engine.config, engine.comm.rank == 0
     if show:
         print(f"zerospeed {zerospeed.__version__}: {comm.world_size} ranks, {cfg.precision.value}, "
-              f"GPT {model.num_params() / 1e6:.2f}M params ({model.cfg.n_layers} layers, d_model {model.cfg.d_model})\n"
+              f"GPT {model.num_params() / 1e6:.2f}M params ({model.cfg.n_layers} layers, d_model {model.cfg.d_model})"
+              f"{describe_moe(model.cfg)}\n"
               f"data: stdlib docstrings, bytes as tokens, {len(train_tokens) / 1e6:.2f}M train / "
               f"{len(val_tokens) / 1e3:.0f}K validation\n"
               f"batch {cfg.train_batch_size} x {args.seq_len} tokens = micro {cfg.train_micro_batch_size_per_gpu} "
@@ -149,11 +177,15 @@ def main() -> None:
     losses, elapsed, tokens = train(engine, loader, args.steps, show)
     val_after = evaluate(engine, val_data, args.val_windows)
     memory = comm.all_gather_object(peak_memory_mb(next(model.parameters()).device))
+    # experts split over ranks answer a forward only when every rank runs it: then all ranks sample
+    # (the same tokens, from the same seed); otherwise rank 0 alone
+    text = (sample(model, PROMPT, args.sample_tokens, args.seed)
+            if args.sample_tokens and (show or model.cfg.ep_size > 1) else "")
     if not show:
         return
     fell = print_summary(engine, args, losses, (val_before, val_after), elapsed, tokens, memory)
     if args.sample_tokens:
-        print(f"  sample               {sample(model, PROMPT, args.sample_tokens, args.seed)!r}")
+        print(f"  sample               {text!r}")
     if args.full_config:
         print(engine.config.to_json())
     print(f"  result               {'OK: the loss fell' if fell else 'FAILED: the loss did not fall'}")

@@ -1,7 +1,10 @@
 """A small GPT-style decoder: pre-LN blocks, causal attention through SDPA, tied LM head.
 
 Kept deliberately plain (no fused kernels, no dropout) so it runs anywhere torch runs and the
-demo exercises the engine, not the model.
+demo exercises the engine, not the model. ``GPTConfig(moe_experts=E)`` makes it a mixture of experts:
+the MLP of every ``moe_every``-th block becomes ``zerospeed.moe.layer.MoE`` (DeepSpeed's layer) over
+``E`` experts, ``ep_size``-way expert parallel, and the returned loss gains ``moe_aux_coef`` times the
+layers' load-balancing losses. With ``moe_experts=0`` (the default) only torch is imported.
 """
 
 from __future__ import annotations
@@ -20,6 +23,31 @@ class GPTConfig:
     d_model: int = 128
     n_layers: int = 4
     n_heads: int = 4
+    # Mixture of experts (0 experts: every block dense, the model unchanged)
+    moe_experts: int = 0
+    moe_every: int = 2  # blocks moe_every-1, 2*moe_every-1, ... get an MoE MLP (every other block by default)
+    moe_k: int = 2  # experts per token
+    ep_size: int = 1  # expert-parallel degree: must divide moe_experts and the data-parallel size
+    moe_drop_tokens: bool = False  # False: dropless (no capacity); True: DeepSpeed's capacity and dropping
+    moe_capacity_factor: float = 1.0
+    moe_aux_coef: float = 0.01  # weight of the load-balancing loss in the returned loss
+    # DeepSpeed samples top-2's second expert with Gumbel noise by default; off here, so routing is a
+    # function of the weights alone and a run can be reproduced (and checked) exactly
+    moe_second_expert_sampling: bool = False
+
+    def __post_init__(self) -> None:
+        if self.moe_experts < 0 or self.moe_every < 1:
+            raise ValueError(f"GPTConfig: moe_experts={self.moe_experts} must be >= 0 and moe_every="
+                             f"{self.moe_every} >= 1")
+        if self.moe_experts and not self.moe_blocks():
+            raise ValueError(f"GPTConfig: moe_every={self.moe_every} exceeds n_layers={self.n_layers}, so no "
+                             f"block would get experts; use moe_every <= n_layers")
+
+    def moe_blocks(self) -> tuple[int, ...]:
+        """Indices of the blocks whose MLP is a mixture of experts (none for a dense model)."""
+        if not self.moe_experts:
+            return ()
+        return tuple(i for i in range(self.n_layers) if i % self.moe_every == self.moe_every - 1)
 
 
 class CausalSelfAttention(nn.Module):
@@ -50,8 +78,32 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+class MoEBlock(nn.Module):
+    """A block whose MLP is DeepSpeed's ``MoE`` layer; ``forward`` also returns its load-balancing loss.
+
+    Built from an initialized dense block, so every expert starts as a copy of that block's MLP (what
+    DeepSpeed's ``Experts`` does with the module it is given): the start does not depend on which rank
+    holds which expert, and an ``ep_size=2`` run starts exactly where an ``ep_size=1`` run does.
+    """
+
+    def __init__(self, dense: Block, cfg: GPTConfig):
+        super().__init__()
+        from zerospeed.moe.layer import MoE  # only MoE models need zerospeed
+
+        self.ln1, self.attn, self.ln2 = dense.ln1, dense.attn, dense.ln2
+        self.mlp = MoE(cfg.d_model, dense.mlp, num_experts=cfg.moe_experts, ep_size=cfg.ep_size, k=cfg.moe_k,
+                       capacity_factor=cfg.moe_capacity_factor, drop_tokens=cfg.moe_drop_tokens,
+                       top2_2nd_expert_sampling=cfg.moe_second_expert_sampling)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x + self.attn(self.ln1(x))
+        out, l_aux, _ = self.mlp(self.ln2(x))
+        return x + out, l_aux
+
+
 class GPT(nn.Module):
-    """Next-token model; ``forward(idx, targets)`` returns the mean cross-entropy when targets are given."""
+    """Next-token model; ``forward(idx, targets)`` returns the mean cross-entropy when targets are given
+    (plus ``moe_aux_coef`` times the load-balancing losses of the MoE blocks, if any)."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -66,6 +118,8 @@ class GPT(nn.Module):
         for block in self.blocks:  # GPT-2's scaled init keeps the residual stream's variance steady
             for proj in (block.attn.proj, block.mlp[2]):
                 nn.init.normal_(proj.weight, std=0.02 / (2 * cfg.n_layers) ** 0.5)
+        for i in cfg.moe_blocks():  # after the init: the experts copy the initialized MLP
+            self.blocks[i] = MoEBlock(self.blocks[i], cfg)
 
     @staticmethod
     def _init(module: nn.Module) -> None:
@@ -80,12 +134,20 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         t = idx.shape[1]
         x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        aux: list[torch.Tensor] = []
         for block in self.blocks:
-            x = block(x)
+            if isinstance(block, MoEBlock):
+                x, l_aux = block(x)
+                aux.append(l_aux)
+            else:
+                x = block(x)
         logits = self.head(self.ln_f(x))
         if targets is None:
             return logits
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+        if aux:
+            loss = loss + self.cfg.moe_aux_coef * torch.stack(aux).float().sum()
+        return loss
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 0.7,
