@@ -42,6 +42,7 @@ bench: install
 	$(BIN)/python benchmarks/bench_offload.py --quick
 	$(BIN)/python benchmarks/bench_tp.py --quick
 	$(BIN)/python benchmarks/bench_pipe.py --quick
+	$(BIN)/python benchmarks/bench_moe.py --quick
 	$(BIN)/python benchmarks/bench_import.py --runs 3
 
 clean:

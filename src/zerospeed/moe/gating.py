@@ -39,23 +39,46 @@ NOISY_GATE_POLICIES = (None, "None", "Jitter", "RSample")
 class DispatchPlan:
     """Where every token goes and with what weight.
 
-    Capacity plan (``capacity`` is an int): ``combine_weights`` ``[S, E, C]`` fp32 and the boolean
-    ``dispatch_mask`` of the same shape. Dropless plan (``capacity`` is None): ``expert_indices``
-    ``[S, k]`` int64 and ``expert_weights`` ``[S, k]`` fp32 (a route of a token masked out by
-    ``used_token`` has weight 0). ``exp_counts`` ``[E]`` counts routes per expert before drops.
+    Both plans give, per route (token s, choice j), ``expert_indices`` ``[S, k]`` int64 and
+    ``expert_weights`` ``[S, k]`` fp32 (0 for a route that is dropped, or masked out by ``used_token``).
+    Capacity plan (``capacity`` is an int) also gives ``route_slots`` ``[S, k]`` int64: the route's
+    flat slot ``expert * capacity + position`` in the ``[E, C]`` buffer, or ``E * C`` (one scratch
+    slot past the end) when it is dropped; ``combine_weights`` ``[S, E, C]`` and the boolean
+    ``dispatch_mask`` (DeepSpeed's dense form) are built from them on request. Dropless plan
+    (``capacity`` is None): nothing dropped. ``exp_counts`` ``[E]`` counts routes per expert before drops.
     """
 
     l_aux: Tensor
     exp_counts: Tensor
     capacity: int | None = None
-    combine_weights: Tensor | None = None
-    dispatch_mask: Tensor | None = None
     expert_indices: Tensor | None = None
     expert_weights: Tensor | None = None
+    route_slots: Tensor | None = None
 
     @property
     def dropless(self) -> bool:
         return self.capacity is None
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.exp_counts.shape[0])
+
+    @property
+    def combine_weights(self) -> Tensor | None:
+        """Dense ``[S, E, C]`` combine weights of a capacity plan (None for a dropless plan)."""
+        if self.capacity is None:
+            return None
+        assert self.route_slots is not None and self.expert_weights is not None
+        num_tokens, slots = self.route_slots.shape[0], self.num_experts * self.capacity
+        dense = self.expert_weights.new_zeros(num_tokens, slots + 1)
+        dense = dense.scatter_add(1, self.route_slots, self.expert_weights.to(dense.dtype))
+        return dense[:, :slots].reshape(num_tokens, self.num_experts, self.capacity)
+
+    @property
+    def dispatch_mask(self) -> Tensor | None:
+        """Boolean ``[S, E, C]``: which slot each kept route fills (None for a dropless plan)."""
+        combine = self.combine_weights
+        return None if combine is None else combine.bool()
 
 
 def expert_capacity(num_tokens: int, num_experts: int, capacity_factor: float, min_capacity: int) -> int:
@@ -93,13 +116,13 @@ def _check_logits(logits: Tensor, k: int) -> None:
         raise ValueError(f"gating: k={k} must be between 1 and the number of experts ({logits.shape[1]})")
 
 
-def _capacity_plan(l_aux: Tensor, exp_counts: Tensor, gates: Tensor, mask: Tensor, locations: Tensor,
-                   capacity: int) -> DispatchPlan:
-    """Combine weights ``[S, E, C]`` from per-expert gate values, kept-route mask and slot locations."""
-    slot = F.one_hot((locations * mask).long(), num_classes=capacity).float()
-    combine = (gates * mask).unsqueeze(-1) * slot
-    return DispatchPlan(l_aux=l_aux, exp_counts=exp_counts, capacity=capacity,
-                        combine_weights=combine, dispatch_mask=combine.bool())
+def _capacity_plan(l_aux: Tensor, exp_counts: Tensor, indices: Tensor, kept: Tensor, locations: Tensor,
+                   weights: Tensor, capacity: int) -> DispatchPlan:
+    """A capacity plan from per-route ``[S, k]`` experts, kept flags, slot positions and combine weights."""
+    num_experts = exp_counts.shape[0]
+    slots = torch.where(kept.bool(), indices * capacity + locations, torch.full_like(indices, num_experts * capacity))
+    return DispatchPlan(l_aux=l_aux, exp_counts=exp_counts, capacity=capacity, expert_indices=indices,
+                        expert_weights=weights * kept.to(weights.dtype), route_slots=slots)
 
 
 def top1gating(logits: Tensor, capacity_factor: float, min_capacity: int, used_token: Tensor | None = None,
@@ -138,7 +161,10 @@ def top1gating(logits: Tensor, capacity_factor: float, min_capacity: int, used_t
         # torch leaves unspecified).
         mask = mask * torch.lt(torch.cumsum(mask, dim=0) - 1, capacity)
     locations = torch.cumsum(mask, dim=0) - 1
-    return _capacity_plan(l_aux, exp_counts, gates, mask, locations, capacity)
+    kept = mask.sum(dim=1, keepdim=True)
+    loc = (locations * mask).sum(dim=1, keepdim=True)
+    weights = (gates * mask).sum(dim=1, keepdim=True)
+    return _capacity_plan(l_aux, exp_counts, indices.reshape(-1, 1), kept, loc, weights, capacity)
 
 
 def top2gating(logits: Tensor, capacity_factor: float, min_capacity: int, drop_tokens: bool = True,
@@ -176,11 +202,9 @@ def top2gating(logits: Tensor, capacity_factor: float, min_capacity: int, drop_t
                             expert_weights=torch.stack([gates1, gates2], 1))
     loc1 = (locations1 * mask1).sum(dim=1)
     loc2 = (locations2 * mask2).sum(dim=1)
-    combine = (gates1.unsqueeze(1) * mask1).unsqueeze(-1) * F.one_hot(loc1, num_classes=capacity).unsqueeze(1)
-    combine = combine + (gates2.unsqueeze(1) * mask2).unsqueeze(-1) * F.one_hot(loc2, capacity).unsqueeze(1)
-    combine = combine.float()
-    return DispatchPlan(l_aux=l_aux, exp_counts=exp_counts, capacity=capacity, combine_weights=combine,
-                        dispatch_mask=combine.bool())
+    return _capacity_plan(l_aux, exp_counts, torch.stack([indices1, indices2], 1),
+                          torch.stack([mask1.sum(dim=1), mask2.sum(dim=1)], 1), torch.stack([loc1, loc2], 1),
+                          torch.stack([gates1, gates2], 1), capacity)
 
 
 def topkgating(logits: Tensor, k: int, capacity_factor: float, min_capacity: int,
@@ -207,7 +231,8 @@ def topkgating(logits: Tensor, k: int, capacity_factor: float, min_capacity: int
     kept = gates * mask
     kept = kept / torch.clamp(kept.sum(dim=-1, keepdim=True), min=torch.finfo(gates.dtype).eps)
     locations = torch.cumsum(mask, dim=0) - 1
-    return _capacity_plan(l_aux, exp_counts, kept, mask, locations, capacity)
+    return _capacity_plan(l_aux, exp_counts, top_idx, mask.gather(1, top_idx), locations.gather(1, top_idx),
+                          kept.gather(1, top_idx), capacity)
 
 
 __all__ = ["DispatchPlan", "NOISY_GATE_POLICIES", "expert_capacity", "gumbel_noise", "multiplicative_jitter",

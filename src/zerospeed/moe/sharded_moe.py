@@ -3,7 +3,7 @@
 Two dispatches, both exchanging tokens over the expert-parallel :class:`Comm` (global expert
 ``r * num_local_experts + i`` is local expert i of ep rank r):
 
-* capacity (``drop_tokens=True``): DeepSpeed's GShard dispatch: tokens scattered into an
+* capacity (``drop_tokens=True``): DeepSpeed's GShard dispatch: tokens gathered into an
   ``[E, C, d]`` buffer, one even all-to-all, the experts run on ``[ep, local_E, C, d]``, one
   all-to-all back, combined with the gate weights.
 * dropless (``drop_tokens=False``): the ``k * S`` routes are stably sorted by expert; ranks swap
@@ -93,16 +93,27 @@ class MOELayer(nn.Module):
         return out.reshape(hidden_states.shape)
 
     def _capacity(self, tokens: Tensor, plan: DispatchPlan, comm: Comm | None) -> Tensor:
-        assert plan.dispatch_mask is not None and plan.combine_weights is not None and plan.capacity is not None
-        num_experts, capacity, d_model = plan.dispatch_mask.shape[1], plan.capacity, tokens.shape[1]
-        dispatched = torch.einsum("sec,sm->ecm", plan.dispatch_mask.to(tokens.dtype), tokens)
+        assert plan.route_slots is not None and plan.expert_weights is not None and plan.capacity is not None
+        num_experts, capacity, (num_tokens, d_model) = plan.num_experts, plan.capacity, tokens.shape
+        slots = plan.route_slots.reshape(-1)  # [S * k], E * C for a dropped route
+        # The buffer as one gather: each slot names its token (a slot nobody fills reads a zero row).
+        # Moves S * k rows instead of the O(S * E * C * d) one-hot einsum.
+        source = torch.full((num_experts * capacity + 1,), num_tokens, dtype=torch.long, device=tokens.device)
+        route_token = torch.arange(num_tokens, device=tokens.device).repeat_interleave(plan.route_slots.shape[1])
+        source.scatter_(0, slots, route_token)  # kept slots are unique; dropped routes land on the scratch slot
+        padded = torch.cat([tokens, tokens.new_zeros(1, d_model)])
+        dispatched = padded.index_select(0, source[:-1]).reshape(num_experts, capacity, d_model)
         if comm is not None:
             dispatched = all_to_all(dispatched, comm)
         expert_in = dispatched.reshape(self.ep_size, self.num_local_experts, capacity, d_model)
-        expert_out = self.experts(expert_in).reshape(num_experts, capacity, d_model)
+        expert_out = self.experts(expert_in).reshape(num_experts * capacity, d_model)
         if comm is not None:
-            expert_out = all_to_all(expert_out, comm)
-        combined = torch.einsum("sec,ecm->sm", plan.combine_weights, expert_out.float())
+            expert_out = all_to_all(expert_out.reshape(num_experts, capacity, d_model), comm)
+            expert_out = expert_out.reshape(num_experts * capacity, d_model)
+        padded_out = torch.cat([expert_out, expert_out.new_zeros(1, d_model)])
+        routed = padded_out.index_select(0, slots).reshape(num_tokens, -1, d_model)  # [S, k, d]
+        # fp32 weights: the sum over a token's routes accumulates in fp32, as the dense einsum did
+        combined = (routed * plan.expert_weights.unsqueeze(-1)).sum(dim=1)
         return combined.to(expert_out.dtype)
 
     def _dropless(self, tokens: Tensor, plan: DispatchPlan, comm: Comm | None) -> Tensor:
