@@ -49,24 +49,31 @@ def _launcher(name: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
 
 
-def _run_cifar(tmp_path: Path, stage: int, dtype: str, launcher: str = "zerospeed") -> str:
+def _run_cifar(tmp_path: Path, stage: int, dtype: str, launcher: str = "zerospeed", extra: tuple[str, ...] = ()) -> str:
     _write_cifar(tmp_path / "data", train_per_file=512, test_images=64)
     env = alias_env(EXAMPLES / "offline")
     done = subprocess.run(
         [*_launcher(launcher), str(EXAMPLES / "cifar" / "cifar10_deepspeed.py"), "--deepspeed", "--epochs", "1",
-         "--dtype", dtype, "--stage", str(stage), "--log-interval", "32"],
+         "--dtype", dtype, "--stage", str(stage), "--log-interval", "32", *extra],
         cwd=tmp_path, capture_output=True, text=True, env=env, timeout=240)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
     return out
 
 
-@pytest.mark.parametrize(("stage", "dtype", "launcher"), [
-    *((stage, dtype, "zerospeed") for stage in (0, 1, 2, 3) for dtype in ("fp32", "bf16")),
-    (2, "fp32", "torchrun"),  # the environment switch needs no zerospeed launcher
-])
-def test_cifar10_example_trains_unchanged(tmp_path: Path, stage: int, dtype: str, launcher: str) -> None:
-    out = _run_cifar(tmp_path, stage, dtype, launcher)
+# as DeepSpeedExamples' MoE run script: experts split over both ranks, RSample gate, separate expert groups
+MOE = ("--moe", "--ep-world-size", "2", "--num-experts", "2", "--top-k", "1", "--noisy-gate-policy", "RSample",
+       "--moe-param-group")
+
+
+@pytest.mark.parametrize(("stage", "dtype", "launcher", "extra"), [
+    *((stage, dtype, "zerospeed", ()) for stage in (0, 1, 2, 3) for dtype in ("fp32", "bf16")),
+    (2, "fp32", "torchrun", ()),  # the environment switch needs no zerospeed launcher
+    (2, "fp32", "zerospeed", MOE),  # DeepSpeed's MoE layer with expert parallelism, under ZeRO-2
+], ids=lambda v: "moe" if v == MOE else None)
+def test_cifar10_example_trains_unchanged(tmp_path: Path, stage: int, dtype: str, launcher: str,
+                                          extra: tuple[str, ...]) -> None:
+    out = _run_cifar(tmp_path, stage, dtype, launcher, extra)
     # 2560 images, 16 per step (8 per rank x 2 ranks): 160 steps, rank 0 prints the mean loss of every 32
     losses = [float(x) for x in re.findall(r"\[ 1,\s+\d+\] loss:\s+([\d.]+)", out)]
     assert len(losses) == 5, out[-3000:]

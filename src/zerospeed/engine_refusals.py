@@ -19,7 +19,8 @@ _AUTOTUNING = ("autotuning is not part of zerospeed (engine.autotuning_enabled()
                "explicit batch sizes and zero_optimization keys in the config")
 _CURRICULUM = ("curriculum learning / data efficiency is not part of zerospeed; use a dataset you order or "
                "filter yourself, passed as training_data (or to engine.deepspeed_io)")
-_MOE = "lands with expert parallelism (MoE); until then use a dense model"
+_MOE = ("zerospeed checkpoints hold every expert by its global index in the model state (they reload at any "
+        "ep_size); use engine.load_checkpoint(dir), or zerospeed convert for a plain state dict")
 
 #: Every refused name of DeepSpeed 0.19.8's ``DeepSpeedEngine``, with the reason and the replacement.
 REFUSED: Mapping[str, str] = MappingProxyType({
@@ -70,7 +71,7 @@ REFUSED: Mapping[str, str] = MappingProxyType({
     "set_data_post_process_func": ("zerospeed's DistributedLoader has no post-process hook; use a collate_fn "
                                    "(zerospeed.initialize(collate_fn=...) or engine.deepspeed_io(collate_fn=...))"),
     # expert parallelism
-    "load_moe_state_dict": _MOE + "; use engine.load_checkpoint",
+    "load_moe_state_dict": _MOE,
     # reporting
     "get_wall_clock_timers": ("with wall_clock_breakdown: true the engine logs per-phase times every "
                               "steps_per_print steps; use that config key and read the log"),

@@ -20,9 +20,11 @@ from zerospeed.moe.experts import Experts
 from zerospeed.moe.gate import TopKGate
 from zerospeed.moe.sharded_moe import MOELayer
 
+
 def _check_positive(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"MoE: {name}={value!r} must be an integer >= 1")
+
 
 class MoE(nn.Module):
     """A mixture-of-experts layer: ``num_experts`` copies of ``expert``, ``ep_size``-way expert parallel.
@@ -113,5 +115,6 @@ class MoE(nn.Module):
         l_aux, exp_counts = self.deepspeed_moe.l_aux, self.deepspeed_moe.exp_counts
         assert l_aux is not None and exp_counts is not None
         return output, l_aux, exp_counts
+
 
 __all__ = ["MoE"]
