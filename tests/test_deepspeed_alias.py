@@ -168,8 +168,11 @@ def test_import_zerospeed_as_deepspeed_needs_no_install() -> None:
     assert deepspeed.DeepSpeedEngine is zerospeed.Engine
 
 
-def test_not_yet_built_entry_points_refuse_by_name() -> None:
-    with pytest.raises(NotImplementedError, match="init_inference.*not built yet"):
+def test_init_inference_is_the_inference_engine() -> None:
+    from zerospeed.inference.engine import init_inference
+
+    assert zerospeed.init_inference is init_inference  # built now (tests/test_inference_engine.py runs it)
+    with pytest.raises(TypeError, match="model is a object; expected a torch.nn.Module"):
         zerospeed.init_inference(object())
 
 

@@ -27,7 +27,10 @@ _LAZY = {
     "DeepSpeedOptimizer": "zerospeed.runtime.base_optimizer",
     "log_dist": "zerospeed.utils.logging",
     "logger": "zerospeed.utils.logging",
-    "init_inference": "zerospeed.not_built",
+    "init_inference": "zerospeed.inference",
+    "InferenceEngine": "zerospeed.inference",
+    "DeepSpeedInferenceConfig": "zerospeed.inference",
+    "default_inference_config": "zerospeed.inference",
     "tp_model_init": "zerospeed.tensor_parallel.autotp",
 }
 

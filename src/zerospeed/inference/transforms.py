@@ -1,0 +1,94 @@
+"""The model transforms an inference engine applies, in order, built from the settings by one factory.
+
+Each transform is a small policy object (:class:`ModelTransform`: a ``name`` and ``apply(model) ->
+model``). :func:`build_transforms` is the one place that decides which run: load the checkpoint,
+cast the dtype, split over the tensor-parallel group, move to the device, then kernel injection,
+int8 weights and ZeRO-Inference placement (in that order; the last three are wired in at merge).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from zerospeed.distributed.comm import Comm
+from zerospeed.inference.settings import InferenceSettings
+
+
+class ModelTransform(Protocol):
+    """One step of preparing a model for serving."""
+
+    @property
+    def name(self) -> str: ...
+
+    def apply(self, model: nn.Module) -> nn.Module: ...
+
+
+@dataclass(frozen=True)
+class LoadCheckpoint:
+    """Full weights from ``checkpoint=`` into the unsplit model."""
+
+    path: str
+    name: str = "load_checkpoint"
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        from zerospeed.inference.weights import load_weights
+
+        return load_weights(model, self.path)
+
+
+@dataclass(frozen=True)
+class ModuleTo:
+    """``model.to(target)``: a dtype cast (floating parameters and buffers only, as DeepSpeed's ``half()``)
+    or a move to the device."""
+
+    target: torch.dtype | torch.device
+    name: str
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        return model.to(self.target)
+
+
+@dataclass(frozen=True)
+class TensorParallelSplit:
+    """AutoTP for serving (or the ``injection_policy``'s split) over the tensor-parallel ``Comm``."""
+
+    comm: Comm
+    injection_policy: tuple[tuple[type, tuple[str, ...]], ...] | None = None
+    name: str = "tensor_parallel"
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        from zerospeed.inference.autotp import split_model
+
+        return split_model(model, self.comm, injection_policy=self.injection_policy)
+
+
+def build_transforms(settings: InferenceSettings, *, comm: Comm | None,
+                     device: torch.device) -> tuple[ModelTransform, ...]:
+    """The transforms ``settings`` ask for, in the order they run (``comm``: the tensor-parallel group,
+    None at tp=1)."""
+    out: list[ModelTransform] = []
+    if settings.checkpoint is not None:
+        out.append(LoadCheckpoint(settings.checkpoint))
+    if settings.compute_dtype is not None:
+        out.append(ModuleTo(settings.compute_dtype, "cast_dtype"))
+    if comm is not None and comm.world_size > 1:
+        out.append(TensorParallelSplit(comm, settings.injection_policy))
+    if settings.zero is None and not settings.keep_module_on_host:
+        out.append(ModuleTo(device, "to_device"))
+    if settings.kernel_inject:
+        raise NotImplementedError("replace_with_kernel_inject: kernel injection (fused KV-cached attention) is not "
+                                  "in this build yet; it is wired in at merge")
+    if settings.int8 is not None:
+        raise NotImplementedError("quant / dtype=torch.int8: int8 weights are not in this build yet; they are wired "
+                                  "in at merge")
+    if settings.zero is not None:
+        raise NotImplementedError("zero: ZeRO-Inference (stage 3 placement) is not in this build yet; it is wired "
+                                  "in at merge")
+    return tuple(out)
+
+
+__all__ = ["LoadCheckpoint", "ModelTransform", "ModuleTo", "TensorParallelSplit", "build_transforms"]
