@@ -137,7 +137,28 @@ def _all_cases() -> dict[str, Any]:
     out["gpt2_odd_vocab"] = _hf_case("gpt2", {"vocab_size": 101})
     out["policy"] = _policy_case()
     out["refusals"] = _refusals()
+    out["group_and_sampling"] = _group_and_sampling()
     return out
+
+
+def _group_and_sampling() -> dict[str, Any]:
+    """``tensor_parallel.tp_group`` (a torch group) sets the degree; sampling draws the same tokens on every
+    rank although each rank seeded its generator differently before ``init_inference`` (rank 0's state is shared)."""
+    import torch.distributed as dist
+
+    import zerospeed
+
+    model = _tiny("llama")
+    reference = copy.deepcopy(model)
+    engine = zerospeed.init_inference(model, tensor_parallel={"tp_group": dist.group.WORLD}, dtype="fp32")
+    greedy = engine.generate(PROMPTS, max_new_tokens=8, do_sample=False)
+    unsplit = _tiny("gpt2")  # (seeds the generator itself)
+    torch.manual_seed(100 + dist.get_rank())
+    sampler = zerospeed.init_inference(unsplit, tensor_parallel={"tp_size": 2}, dtype="fp32")
+    sampled = sampler.generate(PROMPTS, max_new_tokens=16, do_sample=True, top_k=0)
+    return {"tp": engine.tp_size, "greedy_equal": torch.equal(greedy, reference.generate(PROMPTS, max_new_tokens=8,
+                                                                                          do_sample=False)),
+            "sampled": sampled.tolist()}
 
 
 def _refused(model: nn.Module, **kwargs: Any) -> str:
@@ -188,6 +209,9 @@ def test_tp2_generation_matches_single_process_hf() -> None:
         assert policy["kinds"] == ["ColumnParallelLinear", "RowParallelLinear", "ColumnParallelLinear",
                                    "RowParallelLinear", "VocabParallelHead"]
 
+    sampling = [rank["group_and_sampling"] for rank in ranks]
+    assert all(case["tp"] == 2 and case["greedy_equal"] for case in sampling), sampling
+    assert sampling[0]["sampled"] == sampling[1]["sampled"]
     refusals = ranks[0]["refusals"]
     assert refusals["gpt2_heads"] == (
         "attention 'transformer.h.0.attn' has 3 attention heads, not divisible by the tensor-parallel size 2: each "
