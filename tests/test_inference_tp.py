@@ -141,9 +141,24 @@ def _all_cases() -> dict[str, Any]:
     return out
 
 
+class _WorldMpu:
+    """A Megatron-style ``mpu`` whose model-parallel group is the whole (2-rank) world."""
+
+    def get_model_parallel_world_size(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_world_size()
+
+    def get_model_parallel_group(self) -> Any:
+        import torch.distributed as dist
+
+        return dist.group.WORLD
+
+
 def _group_and_sampling() -> dict[str, Any]:
-    """``tensor_parallel.tp_group`` (a torch group) sets the degree; sampling draws the same tokens on every
-    rank although each rank seeded its generator differently before ``init_inference`` (rank 0's state is shared)."""
+    """``tensor_parallel.tp_group`` (a torch group) or a Megatron ``mpu`` (deprecated top-level key) sets the degree;
+    beam search matches HF's; sampling draws the same tokens on every rank although each rank seeded its generator
+    differently before ``init_inference`` (rank 0's state is shared)."""
     import torch.distributed as dist
 
     import zerospeed
@@ -152,13 +167,20 @@ def _group_and_sampling() -> dict[str, Any]:
     reference = copy.deepcopy(model)
     engine = zerospeed.init_inference(model, tensor_parallel={"tp_group": dist.group.WORLD}, dtype="fp32")
     greedy = engine.generate(PROMPTS, max_new_tokens=8, do_sample=False)
+    beams = engine.generate(PROMPTS, max_new_tokens=8, num_beams=3, do_sample=False)
+    with pytest.warns(DeprecationWarning, match="mpu is deprecated; use tensor_parallel.mpu instead"):
+        by_mpu = zerospeed.init_inference(_tiny("gpt2"), mpu=_WorldMpu(), dtype="fp32")
+    mpu_equal = torch.equal(by_mpu.generate(PROMPTS, max_new_tokens=8, do_sample=False),
+                            _tiny("gpt2").generate(PROMPTS, max_new_tokens=8, do_sample=False))
     unsplit = _tiny("gpt2")  # (seeds the generator itself)
     torch.manual_seed(100 + dist.get_rank())
     sampler = zerospeed.init_inference(unsplit, tensor_parallel={"tp_size": 2}, dtype="fp32")
     sampled = sampler.generate(PROMPTS, max_new_tokens=16, do_sample=True, top_k=0)
     return {"tp": engine.tp_size, "greedy_equal": torch.equal(greedy, reference.generate(PROMPTS, max_new_tokens=8,
                                                                                           do_sample=False)),
-            "sampled": sampled.tolist()}
+            "beams_equal": torch.equal(beams, reference.generate(PROMPTS, max_new_tokens=8, num_beams=3,
+                                                                 do_sample=False)),
+            "mpu": (by_mpu.tp_size, mpu_equal), "sampled": sampled.tolist()}
 
 
 def _refused(model: nn.Module, **kwargs: Any) -> str:
@@ -210,7 +232,8 @@ def test_tp2_generation_matches_single_process_hf() -> None:
                                    "RowParallelLinear", "VocabParallelHead"]
 
     sampling = [rank["group_and_sampling"] for rank in ranks]
-    assert all(case["tp"] == 2 and case["greedy_equal"] for case in sampling), sampling
+    assert all(case["tp"] == 2 and case["greedy_equal"] and case["beams_equal"] for case in sampling), sampling
+    assert all(case["mpu"] == (2, True) for case in sampling), sampling
     assert sampling[0]["sampled"] == sampling[1]["sampled"]
     refusals = ranks[0]["refusals"]
     assert refusals["gpt2_heads"] == (
