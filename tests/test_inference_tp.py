@@ -260,3 +260,11 @@ def test_tp2_generation_matches_single_process_hf() -> None:
                                 "(set_empty_params loading is not built)")
     assert refusals["tp3"] == ("tensor_parallel.tp_size: 3 does not divide the 2 ranks of this job; launch a "
                                "multiple of 3 ranks or change tp_size")
+
+
+def test_vocab_range_splits_unevenly() -> None:
+    from zerospeed.inference.tp_layers import vocab_range
+
+    assert [vocab_range(97, 2, r) for r in range(2)] == [(0, 49, 49), (49, 97, 49)]
+    assert [vocab_range(50257, 2, r) for r in range(2)] == [(0, 25129, 25129), (25129, 50257, 25129)]
+    assert [vocab_range(5, 4, r) for r in range(4)] == [(0, 2, 2), (2, 4, 2), (4, 5, 2), (5, 5, 2)]  # last: none

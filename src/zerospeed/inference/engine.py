@@ -47,7 +47,7 @@ class InferenceEngine(nn.Module):
             model = transform.apply(model)
         model.eval()
         self.module = model
-        self.injection_dict = config.injection_policy
+        self.injection_dict = None if config.injection_policy is None else dict(config.injection_policy)
         self.mp_group = None if self.tp_comm is None else self.tp_comm.group
         self.mpu = self.settings.mpu
         self._model_times: list[float] = []
