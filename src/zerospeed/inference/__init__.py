@@ -1,0 +1,1 @@
+"""Accelerated inference (issue 20)."""
