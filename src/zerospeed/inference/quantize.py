@@ -98,10 +98,10 @@ class Int8Conv1D(_Int8Weight):
 
     def __init__(self, conv: nn.Module, group_size: int):
         super().__init__()
-        weight = conv.weight
+        weight, bias = getattr(conv, "weight"), getattr(conv, "bias", None)
         self.nx, self.nf = int(weight.shape[0]), int(weight.shape[1])
         self.in_features, self.out_features = self.nx, self.nf
-        self._store(weight.t(), conv.bias, group_size)
+        self._store(weight.t(), bias, group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)
@@ -120,6 +120,12 @@ class Int8ColumnParallel(_Int8Weight, TensorParallelLayer):
     """A :class:`ColumnParallelLinear` or :class:`ColumnParallelConv1D` with its output rows in int8:
     the same collectives (sequence-parallel gather, ``gather_output``) around the local matmul."""
 
+    in_features: int
+    out_features: int
+    gather_output: bool = False
+    sequence_parallel: bool = False
+    sequence_dim: int = 1
+
     def __init__(self, layer: ColumnParallelLinear | ColumnParallelConv1D, group_size: int):
         super().__init__()
         self.tp = layer.tp
@@ -127,7 +133,7 @@ class Int8ColumnParallel(_Int8Weight, TensorParallelLayer):
         self.transposed_weight = isinstance(layer, ColumnParallelConv1D)
         _copy_attrs(self, layer, ("in_features", "out_features", "out_per_rank", "gather_output", "sequence_parallel",
                                   "sequence_dim", "nx", "nf", "nf_per_rank"))
-        if self.transposed_weight:
+        if isinstance(layer, ColumnParallelConv1D):
             self.in_features, self.out_features = layer.nx, layer.nf
         self.sequence_parallel = bool(getattr(layer, "sequence_parallel", False))
         weight = layer.weight.t() if self.transposed_weight else layer.weight
@@ -156,13 +162,19 @@ class Int8RowParallel(_Int8Weight, TensorParallelLayer):
     """A :class:`RowParallelLinear` or :class:`RowParallelConv1D` with its input columns in int8: the
     partial products are summed (or reduce-scattered along the sequence) and the bias added after."""
 
+    in_features: int
+    out_features: int
+    input_is_parallel: bool = True
+    sequence_parallel: bool = False
+    sequence_dim: int = 1
+
     def __init__(self, layer: RowParallelLinear | RowParallelConv1D, group_size: int):
         super().__init__()
         self.tp = layer.tp
         self.transposed_weight = isinstance(layer, RowParallelConv1D)
         _copy_attrs(self, layer, ("in_features", "out_features", "in_per_rank", "input_is_parallel",
                                   "sequence_parallel", "sequence_dim", "nx", "nf", "nx_per_rank"))
-        if self.transposed_weight:
+        if isinstance(layer, RowParallelConv1D):
             self.in_features, self.out_features = layer.nx, layer.nf
         self.input_is_parallel = bool(getattr(layer, "input_is_parallel", True))
         self.sequence_parallel = bool(getattr(layer, "sequence_parallel", False))
@@ -222,7 +234,7 @@ def _conv1d_type() -> type | None:
     return Conv1D
 
 
-def _quantizer(module: nn.Module, conv1d: type | None) -> Callable[[int], nn.Module] | None:
+def _quantizer(module: nn.Module, conv1d: type | None) -> Callable[[int], _Int8Weight] | None:
     """How to quantize ``module`` (exact classes only: a subclass may have its own forward)."""
     kind = type(module)
     if kind is nn.Linear:
@@ -281,7 +293,7 @@ def quantize_linears(model: nn.Module, *, group_size: int = DEFAULT_GROUP_SIZE,
         raise TypeError(f"quantize_linears replaces layers inside a model; {type(model).__name__} is itself one: "
                         f"wrap it (nn.Sequential(layer)) or use {Int8Linear.__name__} directly")
     owners = _owners(model)
-    replaced: dict[int, nn.Module] = {}
+    replaced: dict[int, _Int8Weight] = {}
     quantized: list[str] = []
     skipped: list[tuple[str, str]] = []
     before = after = 0
