@@ -13,7 +13,8 @@ Rounds rotate over the implementations (each round times every one ``--calls`` t
 is the median over ``--rounds`` rounds, so a noisy neighbour hurts all alike. Decode rows print the
 weight bytes each implementation must read per call divided by the time (GB/s: fp32 4 bytes a weight,
 bf16 2, int8 1 plus scales); prefill rows print GFLOP/s (2 M N K). ``x fp32`` is fp32's time over this
-one's (above 1: faster). A peer whose warm-up call takes over 8x fp32's and 0.5 s is timed by that
+one's (above 1: faster); ``best x fp32`` compares the fastest rounds instead (on a shared, loaded
+machine the least disturbed samples). A peer whose warm-up call takes over 8x fp32's and 0.5 s is timed by that
 one call (marked), so the slow int8pack and bf16 prefill do not take the run's whole budget.
 
     python benchmarks/bench_int8.py [--quick] [--rounds 7] [--calls 5] [--group-size 128] [--fallback]
@@ -35,8 +36,9 @@ Run = Callable[[], torch.Tensor]
 SLOW_FACTOR, SLOW_SECONDS = 8.0, 0.5
 
 
-def _median_seconds(runs: dict[str, Run], rounds: int, calls: int) -> tuple[dict[str, float], set[str]]:
-    """Median seconds per call, and the peers timed by their warm-up call alone: those over
+def _median_seconds(runs: dict[str, Run], rounds: int, calls: int
+                    ) -> tuple[dict[str, float], dict[str, float], set[str]]:
+    """Median and best (fastest round) seconds per call, and the peers timed by their warm-up call alone: those over
     ``SLOW_FACTOR`` times fp32's warm-up and ``SLOW_SECONDS`` (torch's int8pack and bf16 prefill here)."""
     warm: dict[str, float] = {}
     for name, run in runs.items():  # warm-up: first touch, thread pools
@@ -53,7 +55,8 @@ def _median_seconds(runs: dict[str, Run], rounds: int, calls: int) -> tuple[dict
             for _ in range(calls):
                 run()
             samples[name].append((time.perf_counter() - start) / calls)
-    return {name: statistics.median(values) for name, values in samples.items()}, slow
+    return ({name: statistics.median(values) for name, values in samples.items()},
+            {name: min(values) for name, values in samples.items()}, slow)
 
 
 def _runs(m: int, k: int, n: int, group: int, fallback: bool) -> tuple[dict[str, Run], dict[str, float]]:
@@ -101,18 +104,19 @@ def main() -> None:
         for threads in (1, 2):
             torch.set_num_threads(threads)
             print(f"\n== {threads} thread(s)")
-            print(f"{'K x N':>12} {'M':>4} {'impl':>14} {'us/call':>10} {'figure':>14} {'x fp32':>7}")
+            print(f"{'K x N':>12} {'M':>4} {'impl':>14} {'us/call':>10} {'figure':>14} {'x fp32':>7} {'best x fp32':>11}")
             for k, n in shapes:
                 for m in (1, 4, 256):
                     runs, weight_bytes = _runs(m, k, n, args.group_size, args.fallback)
-                    seconds, slow = _median_seconds(runs, rounds, args.calls)
+                    seconds, best, slow = _median_seconds(runs, rounds, args.calls)
                     for name, sec in seconds.items():
                         if m <= 16:
                             figure = f"{weight_bytes[name] / sec / 1e9:8.2f} GB/s"
                         else:
                             figure = f"{2 * m * n * k / sec / 1e9:6.1f} GFLOP/s"
                         print(f"{k:>5} x {n:<5} {m:>4} {name:>14} {sec * 1e6:>10.1f} {figure:>14} "
-                              f"{seconds['fp32'] / sec:>7.2f}{'  (one call: slow peer)' if name in slow else ''}")
+                              f"{seconds['fp32'] / sec:>7.2f} {best['fp32'] / best[name]:>11.2f}"
+                              f"{'  (one call: slow peer)' if name in slow else ''}")
     finally:
         torch.set_num_threads(threads_before)
 
