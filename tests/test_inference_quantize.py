@@ -115,6 +115,8 @@ def test_skip_and_refusals() -> None:
         quantize_linears(nn.Sequential(nn.Linear(8, 8)), group_size=0)
     with pytest.raises(TypeError, match=r"Linear is itself one: wrap it \(nn.Sequential\(layer\)\)"):
         quantize_linears(nn.Linear(8, 8))
+    with pytest.raises(ValueError, match=r"Int8Linear: expected a floating input with last dimension 8 .*\(2, 7\)"):
+        model[0](torch.randn(2, 7))
     again = quantize_linears(model)  # already quantized layers are not linear-like any more
     assert again.quantized == ("1",)
 

@@ -59,7 +59,10 @@ class _Int8Weight(nn.Module):
         return w.t().contiguous() if self.transposed_weight else w
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return int8.int8_linear(x, self.qweight, self.scales, self.group_size, bias)
+        if x.shape[-1] != self.qweight.shape[1] or not x.is_floating_point():
+            raise ValueError(f"{type(self).__name__}: expected a floating input with last dimension "
+                             f"{self.qweight.shape[1]} (this rank's in_features); got {x.dtype} {tuple(x.shape)}")
+        return int8.matmul(x, self.qweight, self.scales, self.group_size, bias, int8.auto_kernels())
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
         """``model.to(dtype)`` casts the bias and the dequantized view but keeps the scales fp32 (a

@@ -16,6 +16,7 @@ an accelerator) the same tiles are dequantized by PyTorch, so every path multipl
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -89,6 +90,8 @@ def _check(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group_size: i
                          f"{x.dtype} {tuple(x.shape)}")
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"int8_linear: bias must have shape ({n},); got {tuple(bias.shape)}")
+    if not (q.is_contiguous() and scales.is_contiguous()):
+        raise ValueError("int8_linear: the int8 weight and its scales must be contiguous")
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group_size: int,
@@ -97,24 +100,39 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group_si
 
     ``x`` may have any leading dimensions. ``kernels`` defaults to the ``auto`` choice."""
     _check(x, q, scales, group_size, bias)
-    choice = kernels if kernels is not None else _auto()
+    return matmul(x, q, scales, group_size, bias, kernels if kernels is not None else auto_kernels())
+
+
+def matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group_size: int, bias: torch.Tensor | None,
+           choice: KernelChoice) -> torch.Tensor:
+    """:func:`int8_linear` without the argument checks, for layers that checked their tensors once when
+    they were built (a decode step calls this once per layer: its Python cost is part of the step)."""
     n, k = q.shape
-    rows = x.reshape(-1, k)
-    xf = rows.float().contiguous()
-    native = choice.module if xf.device.type == "cpu" and q.is_contiguous() and scales.is_contiguous() else None
-    b = bias.float().contiguous() if bias is not None else None
-    if native is not None and 0 < xf.shape[0] <= DIRECT_MAX_ROWS:
-        y = torch.empty(xf.shape[0], n, dtype=torch.float32)
-        native.int8_linear(xf.data_ptr(), xf.shape[0], k, q.data_ptr(), scales.data_ptr(), scales.shape[1],
-                           group_size, b.data_ptr() if b is not None else 0, y.data_ptr(), n, _threads(n * k))
+    xf = x.reshape(-1, k)
+    if xf.dtype != torch.float32:
+        xf = xf.float()
+    if not xf.is_contiguous():
+        xf = xf.contiguous()
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        bias = bias.float().contiguous()
+    native = choice.module if xf.device.type == "cpu" else None
+    rows = xf.shape[0]
+    if native is not None and 0 < rows <= DIRECT_MAX_ROWS:
+        y = torch.empty(rows, n, dtype=torch.float32)
+        native.int8_linear(xf.data_ptr(), rows, k, q.data_ptr(), scales.data_ptr(), scales.shape[1], group_size,
+                           bias.data_ptr() if bias is not None else 0, y.data_ptr(), n, _threads(n * k))
     else:
         y = _tiled(xf, q, scales, group_size, _native_dequantize(native) if native is not None else None)
-        if b is not None:
-            y.add_(b)
-    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+        if bias is not None:
+            y.add_(bias)
+    if x.dtype != torch.float32:
+        y = y.to(x.dtype)
+    return y.view(*x.shape[:-1], n)
 
 
-def _auto() -> KernelChoice:
+@functools.lru_cache(maxsize=1)
+def auto_kernels() -> KernelChoice:
+    """The ``auto`` choice, made once per process."""
     return kernels("auto")
 
 
@@ -157,5 +175,5 @@ def _tiled(xf: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group_size: 
     return y_t.t().contiguous()
 
 
-__all__ = ["DIRECT_MAX_ROWS", "check_group_size", "dequantize_groupwise", "int8_linear", "kernels",
-           "num_groups", "quantize_groupwise"]
+__all__ = ["DIRECT_MAX_ROWS", "auto_kernels", "check_group_size", "dequantize_groupwise", "int8_linear", "kernels",
+           "matmul", "num_groups", "quantize_groupwise"]
