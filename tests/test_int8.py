@@ -96,7 +96,8 @@ def test_native_kernel_equals_fallback_and_reference_on_many_shapes() -> None:
 @needs_native
 def test_leading_dims_threads_and_tiles_agree(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(2)
-    q, s = int8.quantize_groupwise(torch.randn(700, 512), 128)  # 358k weights: threaded, several tiles below
+    monkeypatch.setattr(int8, "PARALLEL_MIN_WEIGHTS", 1 << 16)  # 358k weights below: threaded
+    q, s = int8.quantize_groupwise(torch.randn(700, 512), 128)
     x = torch.randn(2, 3, 512)
     full = int8.int8_linear(x, q, s, 128, kernels=NATIVE)
     assert full.shape == (2, 3, 700)

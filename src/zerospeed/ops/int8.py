@@ -26,8 +26,9 @@ from zerospeed.ops.native import INT8_KERNELS, KernelChoice, choose
 
 #: rows of x up to which the native kernel multiplies directly from int8 (decode); more go to sgemm
 DIRECT_MAX_ROWS = 16
-#: weights below which one thread does the work (a fork/join costs more than it saves)
-PARALLEL_MIN_WEIGHTS = 1 << 16
+#: weights below which one thread does the work: one thread reads 2 MiB of int8 in ~0.2 ms, and on a
+#: busy machine a fork/join can wait a whole scheduler slice (~10 ms) for a descheduled thread
+PARALLEL_MIN_WEIGHTS = 1 << 21
 #: fp32 elements of one dequantized weight tile on the sgemm path (bounds the temporary)
 TILE_ELEMS = 1 << 21
 QMAX = 127
