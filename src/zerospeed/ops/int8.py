@@ -30,7 +30,7 @@ DIRECT_MAX_ROWS = 16
 #: busy machine a fork/join can wait a whole scheduler slice (~10 ms) for a descheduled thread
 PARALLEL_MIN_WEIGHTS = 1 << 21
 #: fp32 elements of one dequantized weight tile on the sgemm path (bounds the temporary)
-TILE_ELEMS = 1 << 21
+TILE_ELEMS = 1 << 22
 QMAX = 127
 
 

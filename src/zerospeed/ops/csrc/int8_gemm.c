@@ -4,12 +4,13 @@
  * Weights are int8 ``q[N, K]`` (row n = output feature n) with one fp32 scale per group of
  * ``group`` consecutive input elements, ``s[N, ceil(K / group)]`` (the last group may be shorter).
  * The dequantized weight is ``q[n, k] * s[n, k / group]`` rounded once to fp32, the same product the
- * PyTorch fallback forms, so both paths multiply the same fp32 weights and differ only in the order
- * of the sums.
+ * PyTorch fallback forms; ``dequantize`` writes exactly those fp32 rows for callers that hand large M
+ * (prefill) to an sgemm, so that path and the fallback give identical results.
  *
- * ``int8_linear`` computes ``y[M, N] = x[M, K] W^T (+ bias)`` directly: for a few rows of x (decode) the
- * work is bound by reading the weights, so reading 1 byte per weight instead of 4 is the speed-up.
- * ``dequantize`` writes fp32 rows of W for callers that hand large M (prefill) to an sgemm.
+ * ``int8_linear`` computes ``y[M, N] = x[M, K] W^T (+ bias)`` directly for a few rows of x (decode), where
+ * the work is bound by reading the weights: reading 1 byte per weight instead of 4 is the speed-up. It
+ * sums ``q x`` over a group (q converted to fp32 exactly) and scales the sum once, ``sum(q x) s``: the
+ * same value as ``sum((q s) x)`` up to rounding, one multiply fewer per weight.
  * Both take raw addresses (contiguous tensors), release the GIL and split the output rows over
  * ``threads`` OpenMP threads (the OpenMP runtime is the one torch loaded: same soname). Built when the
  * package is installed, never at run time; AVX2+FMA intrinsics when the build machine has them,
@@ -32,12 +33,15 @@
 
 /* Dot products of one weight row with ``mr`` rows of x, scale applied per group, written as
  * y[i * ldy] for i < mr (plus bias). */
-static inline __attribute__((always_inline)) void row_dots(const float *restrict x, int64_t ldx, int mr, const int8_t *restrict q,
-                     const float *restrict s, int64_t K, int64_t group, float bias, float *restrict y, int64_t ldy) {
+static inline __attribute__((always_inline)) void row_dots(const float *restrict x, int64_t ldx, int mr,
+                     const int8_t *restrict q, const float *restrict s, int64_t K, int64_t group, float bias,
+                     float *restrict y, int64_t ldy) {
+    /* Per group, the integer weights (converted to fp32, exact) are dotted with x in 2-4 independent
+     * chains per row of x; the group's sum is then scaled once: q * (x . 1) * s = sum(q x) * s. */
     float tail[MR_MAX] = {0.0f, 0.0f, 0.0f, 0.0f};
 #ifdef ZS_AVX2
-    __m256 acc0[MR_MAX], acc1[MR_MAX];
-    for (int i = 0; i < MR_MAX; i++) acc0[i] = acc1[i] = _mm256_setzero_ps();
+    __m256 tot[MR_MAX];
+    for (int i = 0; i < MR_MAX; i++) tot[i] = _mm256_setzero_ps();
 #else
     float acc[MR_MAX][8];
     memset(acc, 0, sizeof acc);
@@ -47,21 +51,40 @@ static inline __attribute__((always_inline)) void row_dots(const float *restrict
         float scale = s[gi];
         int64_t k = g0;
 #ifdef ZS_AVX2
-        __m256 vs = _mm256_set1_ps(scale);
+        __m256 a0[MR_MAX], a1[MR_MAX], a2[MR_MAX], a3[MR_MAX];
+        for (int i = 0; i < MR_MAX; i++) a0[i] = a1[i] = a2[i] = a3[i] = _mm256_setzero_ps();
+        if (mr <= 2)
+            for (; k + 32 <= end; k += 32) {
+                __m128i lo = _mm_loadu_si128((const __m128i *)(q + k));
+                __m128i hi = _mm_loadu_si128((const __m128i *)(q + k + 16));
+                __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+                __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+                __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+                __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+                for (int i = 0; i < mr; i++) {
+                    const float *xi = x + i * ldx + k;
+                    a0[i] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xi), a0[i]);
+                    a1[i] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xi + 8), a1[i]);
+                    a2[i] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xi + 16), a2[i]);
+                    a3[i] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xi + 24), a3[i]);
+                }
+            }
         for (; k + 16 <= end; k += 16) {
             __m128i raw = _mm_loadu_si128((const __m128i *)(q + k));
-            __m256 w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), vs);
-            __m256 w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8))), vs);
+            __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+            __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8)));
             for (int i = 0; i < mr; i++) {
-                acc0[i] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + i * ldx + k), acc0[i]);
-                acc1[i] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + i * ldx + k + 8), acc1[i]);
+                a0[i] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + i * ldx + k), a0[i]);
+                a1[i] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + i * ldx + k + 8), a1[i]);
             }
         }
         for (; k + 8 <= end; k += 8) {
-            __m128i raw = _mm_loadl_epi64((const __m128i *)(q + k));
-            __m256 w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), vs);
-            for (int i = 0; i < mr; i++) acc0[i] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + i * ldx + k), acc0[i]);
+            __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + k))));
+            for (int i = 0; i < mr; i++) a0[i] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + i * ldx + k), a0[i]);
         }
+        __m256 vs = _mm256_set1_ps(scale);
+        for (int i = 0; i < mr; i++)
+            tot[i] = _mm256_fmadd_ps(_mm256_add_ps(_mm256_add_ps(a0[i], a1[i]), _mm256_add_ps(a2[i], a3[i])), vs, tot[i]);
 #else
         for (; k + 8 <= end; k += 8) {
             float w[8];
@@ -77,7 +100,7 @@ static inline __attribute__((always_inline)) void row_dots(const float *restrict
     }
     for (int i = 0; i < mr; i++) {
 #ifdef ZS_AVX2
-        __m256 v = _mm256_add_ps(acc0[i], acc1[i]);
+        __m256 v = tot[i];
         __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
         h = _mm_add_ps(h, _mm_movehl_ps(h, h));
         h = _mm_add_ss(h, _mm_movehdup_ps(h));
