@@ -1,4 +1,4 @@
-"""Builds zerospeed's native CPU optimizer kernels at install time (metadata lives in pyproject.toml).
+"""Builds zerospeed's native CPU kernels (optimizers, int8 matmul) at install time (metadata lives in pyproject.toml).
 
 The extension is optional: where it cannot be compiled, installation still succeeds and
 ``zerospeed.ops`` uses its pure-PyTorch path (``zerospeed report`` says which one is active and why).
@@ -43,4 +43,7 @@ class EditableWheelWithPth(editable_wheel):
 
 setup(cmdclass={"build_py": BuildPyWithPth, "editable_wheel": EditableWheelWithPth},
       ext_modules=[Extension("zerospeed.ops._cpu_optim", sources=["src/zerospeed/ops/csrc/cpu_optim.c"],
-                             extra_compile_args=FLAGS, optional=True)])
+                             extra_compile_args=FLAGS, optional=True),
+                   # OpenMP: the runtime torch already loaded (libgomp.so.1, same soname) runs its threads
+                   Extension("zerospeed.ops._int8_gemm", sources=["src/zerospeed/ops/csrc/int8_gemm.c"],
+                             extra_compile_args=[*FLAGS, "-fopenmp"], extra_link_args=["-fopenmp"], optional=True)])

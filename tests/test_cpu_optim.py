@@ -184,7 +184,7 @@ def test_clear_errors() -> None:
 
 
 def test_native_requested_but_missing_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(native, "_native", lambda: (None, "the native kernels were not built (test)"))
+    monkeypatch.setattr(native, "_native", lambda name: (None, "the native kernels were not built (test)"))
     with pytest.raises(RuntimeError, match="implementation='native': the native kernels were not built"):
         CPUAdam([torch.zeros(2, requires_grad=True)], implementation="native")
     fallback = CPUAdam([torch.zeros(2, requires_grad=True)])

@@ -1,7 +1,8 @@
 """``zerospeed report`` (or ``python -m zerospeed.report``): what this installation runs, and why.
 
 Prints versions, the accelerator and communication backend zerospeed would pick, and which CPU
-optimizer kernels are active (native, built at install time, or the PyTorch fallback) with the reason.
+optimizer and int8 matmul kernels are active (native, built at install time, or the PyTorch fallback) with
+the reason.
 """
 
 from __future__ import annotations
@@ -15,16 +16,23 @@ def lines() -> list[str]:
 
     import zerospeed
     from zerospeed.accelerator import get_accelerator
+    from zerospeed.ops.int8 import kernels as int8_kernels
     from zerospeed.ops.native import choose
 
     accelerator = get_accelerator()
     kernels = choose("auto")
+    int8 = int8_kernels("auto")
+    int8_how = ""
+    if int8.module is not None:
+        isa, openmp = int8.module.features()
+        int8_how = f" [{isa}, {'OpenMP threads' if openmp else 'one thread'}]"
     return [
         f"zerospeed {zerospeed.__version__}  (torch {torch.__version__}, Python {platform.python_version()}, "
         f"{platform.machine()})",
         f"accelerator: {accelerator.device_type}  communication backend: {accelerator.backend}",
         f"CPU threads: {torch.get_num_threads()}",
         f"CPU optimizer kernels (CPUAdam, CPUAdagrad, CPULion): {kernels.name} - {kernels.reason}",
+        f"int8 weight matmul (inference quantization): {int8.name}{int8_how} - {int8.reason}",
     ]
 
 
