@@ -16,7 +16,7 @@ from zerospeed.config import ConfigError
 from zerospeed.inference.config import (DeepSpeedInferenceConfig, default_inference_config, merge_arguments,
                                         parse_inference_config)
 from zerospeed.inference.settings import InferenceSettings, Int8Settings, resolve_settings
-from zerospeed.inference.transforms import LoadCheckpoint, ModuleTo, build_transforms
+from zerospeed.inference.transforms import Int8Weights, LoadCheckpoint, ModuleTo, build_transforms
 
 CPU = {"device_type": "cpu", "supported_dtypes": (torch.float32, torch.bfloat16)}
 
@@ -165,12 +165,12 @@ def test_int8_settings() -> None:
     assert settings(quant={"weight": {"group_size": 32}}).int8 is None  # quant only works with dtype int8
     got = settings(dtype=torch.int8, quant={"weight": {"group_size": 32}})
     assert got.int8 == Int8Settings(bits=8, group_size=32) and got.compute_dtype is None
-    assert settings(dtype="int8").int8 == Int8Settings(bits=8, group_size=64)
+    assert settings(dtype="int8").int8 == Int8Settings(bits=8, group_size=128)
     with pytest.raises(ConfigError) as info:
         settings(dtype="int8", quant={"weight": {"q_groups": 8}})
     assert str(info.value) == ("quant.weight.q_groups: DeepSpeed counts 8 groups over a whole flattened weight, so "
                                "the group length differs per layer; zerospeed groups a fixed number of weights "
-                               "along each row: give quant.weight.group_size (e.g. 64) instead")
+                               "along each row: give quant.weight.group_size (e.g. 128) instead")
     with pytest.raises(ConfigError, match="quant: dtype is torch.int8 .* but quant.enabled or quant.weight.enabled"):
         settings(dtype="int8", quant={"enabled": False})
 
@@ -210,8 +210,9 @@ def test_transform_factory_order_and_merge_points() -> None:
     assert [t.name for t in steps] == ["load_checkpoint", "cast_dtype", "to_device"]
     assert steps == (LoadCheckpoint("/c.pt"), ModuleTo(torch.bfloat16, "cast_dtype"), ModuleTo(cpu, "to_device"))
     assert [t.name for t in build_transforms(settings(keep_module_on_host=True), comm=None, device=cpu)] == []
+    assert build_transforms(settings(dtype="int8", quant={"weight": {"group_size": 32}}), comm=None,
+                            device=cpu) == (ModuleTo(cpu, "to_device"), Int8Weights(32))
     for data, key in (({"replace_with_kernel_inject": True}, "replace_with_kernel_inject: kernel injection"),
-                      ({"dtype": "int8"}, "quant / dtype=torch.int8: int8 weights"),
                       ({"zero": {"stage": 3}}, "zero: ZeRO-Inference")):
         with pytest.raises(NotImplementedError) as info:
             build_transforms(settings(**data), comm=None, device=cpu)

@@ -53,6 +53,24 @@ def test_dtype_cast_and_default() -> None:
     assert {p.dtype for p in kept.module.parameters()} == {torch.float16 if fp16 else torch.float32}
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_int8_dtype_quantizes_the_linears_through_the_engine(kind: str) -> None:
+    """``dtype=torch.int8`` (DeepSpeed's switch) turns every untied linear into group-wise int8 weights with the
+    configured group size; the logits stay close to fp32 and generation runs through the module's generate."""
+    from zerospeed.inference.quantize import Int8Conv1D, Int8Linear
+
+    reference = _model(kind).eval()
+    engine = init_inference(_model(kind), dtype=torch.int8, quant={"weight": {"group_size": 32}})
+    quantized = [m for m in engine.module.modules() if isinstance(m, (Int8Linear, Int8Conv1D))]
+    assert quantized and {m.group_size for m in quantized} == {32}
+    assert not any(type(m) is torch.nn.Linear and m.weight is not engine.module.get_input_embeddings().weight
+                   for m in engine.module.modules())
+    want, got = reference(PROMPT).logits, engine(PROMPT).logits
+    cosine = torch.nn.functional.cosine_similarity(want.flatten(1), got.flatten(1)).min()
+    assert cosine > 0.999 and not torch.equal(want, got)
+    assert engine.generate(PROMPT, max_new_tokens=6, do_sample=False).shape == (2, 10)
+
+
 def test_max_out_tokens_and_refusals() -> None:
     engine = init_inference(_model(), dtype=torch.float32, max_tokens=3)
     with pytest.raises(RuntimeError) as info:

@@ -31,6 +31,7 @@ from zerospeed.config.schema_zero import ZeroConfig
 from zerospeed.config.translate import config_error
 from zerospeed.config.values import (FrozenDict, check_int, fail, json_kind, show, validator, zbool, zchoice, zint,
                                      zobject, zstr)
+from zerospeed.ops import int8
 
 #: DeepSpeed's ``DtypeEnum`` spellings (matched exactly, as DeepSpeed does).
 DTYPE_NAMES: Mapping[str, str] = {
@@ -43,8 +44,8 @@ DTYPE_NAMES: Mapping[str, str] = {
 QUANT_TYPES = ("symmetric", "asymmetric")
 #: DeepSpeed's ``MoETypeEnum`` values.
 MOE_TYPES = ("standard", "residual")
-#: zerospeed's default int8 group length (weights per scale along a row).
-DEFAULT_GROUP_SIZE = 64
+#: zerospeed's default int8 group length (weights per scale along a row), the quantizer's own.
+DEFAULT_GROUP_SIZE = int8.DEFAULT_GROUP_SIZE
 
 
 def _check_dtype(value: Any) -> Any:

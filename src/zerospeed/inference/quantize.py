@@ -26,10 +26,7 @@ from zerospeed.tensor_parallel import regions
 from zerospeed.tensor_parallel.conv1d import ColumnParallelConv1D, RowParallelConv1D
 from zerospeed.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, TensorParallelLayer
 
-#: elements per scale: 128 keeps the scales at 3% of the int8 bytes (0.258x fp32 in all); on small
-#: GPT-2/Llama models the logits' cosine with fp32 moved only from 0.99977 (32) to 0.99967 (256) (the
-#: acceptance in tests/test_inference_quantize.py), while larger groups read fewer scales
-DEFAULT_GROUP_SIZE = 128
+DEFAULT_GROUP_SIZE = int8.DEFAULT_GROUP_SIZE
 
 Skip = Callable[[str, nn.Module], bool]
 

@@ -12,7 +12,7 @@ Decisions (documented in ``docs/inference.md``):
   model keeps its dtype (DeepSpeed refuses its own default on such a CPU).
 - int8 weights: ``dtype=torch.int8`` (DeepSpeed's rule: ``quant`` only works with it); activations stay
   in the model's dtype (cast the model first for bf16 activations). The group length is
-  ``quant.weight.group_size`` (zerospeed's key, default 64 weights per scale along a row); DeepSpeed's
+  ``quant.weight.group_size`` (zerospeed's key, default 128 weights per scale along a row); DeepSpeed's
   ``q_groups`` other than its default 1 is refused. ``quant.activation`` and ``quant.qkv.enabled: true``
   are DeepSpeed's defaults and do nothing in its v1 engine either.
 """

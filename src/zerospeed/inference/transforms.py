@@ -66,6 +66,20 @@ class TensorParallelSplit:
         return split_model(model, self.comm, injection_policy=self.injection_policy)
 
 
+@dataclass(frozen=True)
+class Int8Weights:
+    """Group-wise int8 weights for every linear-like module (tied weights stay as they are)."""
+
+    group_size: int
+    name: str = "int8"
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        from zerospeed.inference.quantize import quantize_linears
+
+        quantize_linears(model, group_size=self.group_size)
+        return model
+
+
 def build_transforms(settings: InferenceSettings, *, comm: Comm | None,
                      device: torch.device) -> tuple[ModelTransform, ...]:
     """The transforms ``settings`` ask for, in the order they run (``comm``: the tensor-parallel group,
@@ -83,12 +97,11 @@ def build_transforms(settings: InferenceSettings, *, comm: Comm | None,
         raise NotImplementedError("replace_with_kernel_inject: kernel injection (fused KV-cached attention) is not "
                                   "in this build yet; it is wired in at merge")
     if settings.int8 is not None:
-        raise NotImplementedError("quant / dtype=torch.int8: int8 weights are not in this build yet; they are wired "
-                                  "in at merge")
+        out.append(Int8Weights(settings.int8.group_size))
     if settings.zero is not None:
         raise NotImplementedError("zero: ZeRO-Inference (stage 3 placement) is not in this build yet; it is wired "
                                   "in at merge")
     return tuple(out)
 
 
-__all__ = ["LoadCheckpoint", "ModelTransform", "ModuleTo", "TensorParallelSplit", "build_transforms"]
+__all__ = ["Int8Weights", "LoadCheckpoint", "ModelTransform", "ModuleTo", "TensorParallelSplit", "build_transforms"]
