@@ -223,6 +223,20 @@ class Init(contextlib.ContextDecorator):
         cls.__init__ = __init__  # type: ignore[misc]  # patched on the class itself, restored on exit
         self._patched.append((cls, original))
 
+    def partition(self, module: nn.Module) -> None:
+        """Partition ``module``'s parameters now (those not partitioned yet), as construction inside
+        this context does: for a model built on the meta device and materialised one piece at a time
+        (each piece filled, then partitioned here -- onto NVMe with ``remote_device="nvme"``), so that
+        it never exists whole in memory. Collective, like construction under the context."""
+        if not self.enabled:
+            raise RuntimeError("zero.Init(enabled=False).partition(...): this Init partitions nothing; "
+                               "make it with enabled=True")
+        meta = [name for name, p in module.named_parameters() if p.is_meta and owner_of(p) is None]
+        if meta:
+            raise ValueError(f"zero.Init.partition: parameter {meta[0]!r} is still on the meta device; "
+                             f"materialise it first (module.to_empty(device='cpu') and fill it)")
+        self._partition(module)
+
     def _partition(self, module: nn.Module) -> None:
         """Partition every parameter of ``module``'s subtree not yet partitioned."""
         for param in module.parameters():
