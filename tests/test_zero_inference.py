@@ -221,3 +221,24 @@ def test_zero_inference_refuses_what_it_cannot_do() -> None:
     mixed[0].to(torch.bfloat16)
     with pytest.raises(ValueError, match="mix dtypes"):
         zero_inference(mixed, {"stage": 3})
+
+
+def _two_ranks(root: str) -> dict[str, Any]:
+    """Each rank holds half of every unit (on NVMe, a directory per rank) and generates the same prompt."""
+    from zerospeed.inference.zero_inference import zero_inference
+
+    with zero_inference(build(SHAPE, torch.float32, seed=7), _zero("nvme", root)) as z:
+        tokens = z.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, do_sample=False).tolist()
+        shard_bytes = z.memory_breakdown()["on_nvme"]
+        model_bytes = sum(u.numel * u.full.element_size() for u in z.engine.state.units)
+    return {"tokens": tokens, "shard_bytes": shard_bytes, "model_bytes": model_bytes}
+
+
+@pytest.mark.spawns
+def test_two_ranks_each_keep_half_and_generate_the_same_tokens(tmp_path: Path) -> None:
+    ranks = run_distributed(_two_ranks, 2, str(tmp_path), timeout=240)
+    want = _reference(torch.float32)
+    for out in ranks:
+        assert out["tokens"] == want
+        assert out["shard_bytes"] * 2 == out["model_bytes"]  # units padded to an even split: exactly half
+    assert not any(tmp_path.rglob("*.bin"))

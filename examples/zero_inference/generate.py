@@ -311,15 +311,13 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if made_dir and args.nvme_path.exists() and not any(args.nvme_path.iterdir()):
             args.nvme_path.rmdir()
-    summary["parity"] = parity
-    summary["problems"] = verdict(summary, parity, check)
+    problems = verdict(summary, parity, check)
+    summary |= {"parity": parity, "problems": problems}
     if args.json is not None:
         args.json.write_text(json.dumps(summary, indent=1))
-    if summary["problems"]:
-        print("  result               FAILED: " + "; ".join(summary["problems"]))
-        return 1
-    print("  result               OK" + (": weights >= 1.5 x available RAM with peak RSS < RAM / 2" if check else ""))
-    return 0
+    met = ": weights >= 1.5 x available RAM with peak RSS < RAM / 2" if check else ""
+    print("  result               " + ("FAILED: " + "; ".join(problems) if problems else "OK" + met))
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":
