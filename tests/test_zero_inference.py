@@ -242,3 +242,38 @@ def test_two_ranks_each_keep_half_and_generate_the_same_tokens(tmp_path: Path) -
         assert out["tokens"] == want
         assert out["shard_bytes"] * 2 == out["model_bytes"]  # units padded to an even split: exactly half
     assert not any(tmp_path.rglob("*.bin"))
+
+
+def _built_on_nvme_with_little_room(root: str) -> dict[str, Any]:
+    """The example's path at a tiny size: materialised module by module, partitioned onto NVMe by
+    zero.Init, then moved into the engine's files on a disk that cannot hold both copies at once."""
+    import shutil
+    from collections import namedtuple
+
+    import zerospeed
+    from zerospeed.inference.zero_inference import zero_inference
+    from zerospeed.zero.owner import init_partition
+
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": _zero("nvme", root)}
+    init = zerospeed.zero.Init(config=config)
+    model = build(SHAPE, torch.float32, seed=7, partition=init.partition)
+    on_disk = sum(init_partition(p).file_bytes() for p in model.parameters())
+    unit = SHAPE.layer_params() * 4  # a layer's unit, the largest
+    usage = namedtuple("usage", "total used free")
+    real = shutil.disk_usage
+    # beyond what the swap files hold, the disk has room for two units: not for a second copy of the model
+    shutil.disk_usage = lambda path: usage(10 * on_disk, 9 * on_disk, 2 * unit)  # type: ignore[assignment]
+    try:
+        with zero_inference(model, config["zero_optimization"]) as z:
+            tokens = z.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, do_sample=False).tolist()
+    finally:
+        shutil.disk_usage = real  # type: ignore[assignment]
+    return {"on_disk": on_disk, "model_bytes": SHAPE.num_params() * 4, "tokens": tokens}
+
+
+@pytest.mark.spawns
+def test_a_model_partitioned_onto_nvme_moves_into_the_engine_with_room_for_one_copy(tmp_path: Path) -> None:
+    out = run_distributed(_built_on_nvme_with_little_room, 1, str(tmp_path), timeout=180)[0]
+    assert out["on_disk"] == out["model_bytes"]  # zero.Init put every parameter in a swap file
+    assert out["tokens"] == _reference(torch.float32)
+    assert not any(tmp_path.rglob("*.bin"))

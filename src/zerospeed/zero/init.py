@@ -97,6 +97,10 @@ class InitPartition(InitOwner):
             self._lease = None
         return values
 
+    def file_bytes(self) -> int:
+        lease = self._lease
+        return lease.slabs.nbytes[lease.index] if lease is not None else 0
+
     def tensors(self) -> list[torch.Tensor]:
         return [self.shard]
 

@@ -25,7 +25,7 @@ from zerospeed.sharding.slots import ParamInfo, Slot
 from zerospeed.zero.contract import CheckpointGroups, ParamOwner
 from zerospeed.zero.ds_param import Partitioned, ZeroParamStatus
 from zerospeed.zero.flat_param import FlatParamUnit, UnitPhase, shape_of
-from zerospeed.zero.owner import clear_owner, set_owner
+from zerospeed.zero.owner import clear_owner, init_partition, set_owner
 from zerospeed.zero.grads import ReductionPolicy
 from zerospeed.zero.layout import MIN_UNIT_ELEMS, UnitSpec, build_units, module_users
 from zerospeed.zero.memory import storage_bytes
@@ -158,7 +158,12 @@ class ShardedState:
         try:
             swapped = [(plan, spec) for plan, spec in zip(self.plan.units, specs)
                        if not spec.persistent and id(plan) not in in_memory]
-            run.check_room(sum(plan.shard_numel * itemsize(spec.params[0].dtype) for plan, spec in swapped),
+            sizes = [plan.shard_numel * itemsize(spec.params[0].dtype) for plan, spec in swapped]
+            # zero.Init partitions on the same disk are deleted as each parameter is taken, before its
+            # unit is written: the room needed at the peak is what they do not give back, or one unit
+            freed = sum(partition.file_bytes() for spec in specs for p in spec.params
+                        if (partition := init_partition(p)) is not None)
+            run.check_room(max(sum(sizes) - freed, max(sizes, default=0)),
                            f"the parameter shards of {len(swapped)} units")
             slabs = run.slabs("param", keep_buffers=self.store.param_buffers)
         except (OSError, ValueError, RuntimeError) as exc:
@@ -169,7 +174,9 @@ class ShardedState:
             unit = FlatParamUnit(plan, list(spec.params), self.comm, persistent=stage < 3 or spec.persistent,
                                  shard_tier=tier)
             units.append(unit)
-            if error is None and slabs is not None and not unit.persistent and id(plan) not in in_memory:
+            if error is not None and not unit.persistent:
+                unit.shard = torch.empty(0, dtype=unit.dtype)  # failing anyway: hold no shard (all in memory)
+            elif slabs is not None and not unit.persistent and id(plan) not in in_memory:
                 try:
                     alias = unit.shard.view(-1)  # the same memory; ``unit.shard`` is re-pointed in and out
                     unit.keep_shard_in(slabs.lease(slabs.add(alias, [unit.shard], check_room=False)))
