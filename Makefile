@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.zerospeed-installed
 
-.PHONY: install demo test test-fast bench clean infinity
+.PHONY: install demo test test-fast bench clean infinity zero-inference
 
 install: $(STAMP)
 
@@ -32,6 +32,12 @@ test-fast: install
 # under the temp dir, about 10 minutes); see examples/infinity/README.md.
 infinity: install
 	$(BIN)/python examples/infinity/train.py
+
+# ZeRO-Inference: a ~9.6B-parameter Llama (fp32, ~38 GB of weights, >= 1.5 x free RAM) built straight onto
+# NVMe and generating a few tokens with every layer streamed from disk (~40 GB of swap files under the temp
+# dir, removed at the end; tens of minutes on 2 cores); see examples/zero_inference/README.md.
+zero-inference: install
+	$(BIN)/python examples/zero_inference/generate.py
 
 bench: install
 	$(BIN)/python benchmarks/bench_comm.py

@@ -317,7 +317,7 @@ def _model_state(model: nn.Module, cfg: Config, comm: Comm, policy: MixedPrecisi
     return ShardedState(model, comm, stage=stage, master_dtype=policy.master_dtype,
                         accum_dtype=policy.grad_accum_dtype, reduction=reduction,
                         zero_cfg=zero, external=external_parameters(model), store=store, overlap_step=overlap,
-                        norm=norm, owns=owns)
+                        norm=norm, owns=owns, with_optimizer=has_optimizer)
 
 
 def _split_state(model: nn.Module, cfg: Config, mesh: Mesh, policy: MixedPrecisionPolicy, *, zero: ZeroPolicy,

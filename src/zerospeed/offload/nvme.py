@@ -348,6 +348,25 @@ class SwappedSlabs:
         finally:
             self.read_wait += time.perf_counter() - start
 
+    def start_copy(self, i: int, out: torch.Tensor) -> IOWait:
+        """Start reading swapped-out slab ``i``'s stored values into ``out`` (contiguous, the slab's
+        dtype and size), leaving the slab itself swapped out: a reader that needs a copy elsewhere
+        (a one-rank ZeRO-3 gather, whose full buffer is the shard) skips the slab buffer and the copy
+        out of it. :meth:`finish_copy` waits for it."""
+        self._check_region(i, out, 0)
+        if out.numel() != self.numels[i]:
+            raise ValueError(f"{self.name} {i}: a copy needs all {self.numels[i]} elements, got {out.numel()}")
+        self.bytes_read += self.nbytes[i]
+        return self.aio.submit_pread(out, str(self.paths[i]), 0)
+
+    def finish_copy(self, request: IOWait) -> None:
+        """Wait for a :meth:`start_copy` (its error raised; the time counted as read wait)."""
+        start = time.perf_counter()
+        try:
+            request.wait()
+        finally:
+            self.read_wait += time.perf_counter() - start
+
     def wait_region_writes(self, requests: Sequence[IOWait]) -> None:
         """Wait for :meth:`write_region` requests (all of them, then raise the first error)."""
         seconds, error = _wait_each([(-1, request) for request in requests])
@@ -550,6 +569,16 @@ class SlabLease:
                 if self.holders == 0 and self.state is LeaseState.HELD:
                     self._move(LeaseState.FREE)
                 raise
+
+    def copy_into(self, out: torch.Tensor) -> IOWait | None:
+        """Start reading the slab's stored values into ``out`` without making the slab resident, when
+        its file is current (no holder, nothing resident); None otherwise (acquire it instead)."""
+        if self.state is not LeaseState.FREE or self.slabs.states[self.index] is not SlabState.OUT:
+            return None
+        return self.slabs.start_copy(self.index, out)
+
+    def finish_copy(self, request: IOWait) -> None:
+        self.slabs.finish_copy(request)
 
     def ready(self) -> None:
         """Wait until the slab is resident (its read, if one is in flight, has completed)."""

@@ -26,6 +26,7 @@ from torch import nn
 from zerospeed.distributed.comm import Comm, Handle
 from zerospeed.lifecycle import Transitions
 from zerospeed.offload import SlabLease, StateTier
+from zerospeed.offload.nvme import IOWait
 from zerospeed.sharding.flat import FlatUnit
 from zerospeed.sharding.plan import UnitPlan
 from zerospeed.zero.owner import init_partition
@@ -95,6 +96,7 @@ class FlatParamUnit:
         self._staged: torch.Tensor | None = None  # the shard's copy on the compute device, while gathering
         self.shard_lease: SlabLease | None = None  # a swapped shard's file residency (keep_shard_in)
         self._gather_holds_shard = False  # the lease was acquired for the gather in flight
+        self._direct: IOWait | None = None  # one rank: the shard's file read straight into ``full``
         self._empty = torch.empty(0, dtype=self.dtype, device=device)
         for p, view in zip(params, self._views):
             p.data = view
@@ -160,9 +162,14 @@ class FlatParamUnit:
         if self.shard_lease is not None:
             # a swapped shard is read in for the all-gather: a prefetch (async_op) only starts the
             # read, and the all-gather follows in wait() (every rank waits for its units in the same
-            # order, so the collectives still line up)
-            self.shard_lease.acquire(wait=False)
-            self._gather_holds_shard = True
+            # order, so the collectives still line up). On one rank the shard *is* the full buffer:
+            # its file is read straight into ``full`` (no slab buffer, no copy on this thread)
+            direct = self.shard_lease.copy_into(self.full) if self.comm.world_size == 1 else None
+            if direct is not None:
+                self._direct = direct
+            else:
+                self.shard_lease.acquire(wait=False)
+                self._gather_holds_shard = True
             self._move(UnitPhase.READING)
         else:
             self._launch_gather()
@@ -178,6 +185,15 @@ class FlatParamUnit:
 
     def wait(self) -> None:
         """Finish a gather in flight (a no-op when none is)."""
+        if self.phase is UnitPhase.READING and self._direct is not None:
+            lease, request, self._direct = self.shard_lease, self._direct, None
+            assert lease is not None, "a unit reading its shard has a lease"
+            try:
+                lease.finish_copy(request)
+            except BaseException:
+                self._free_full()
+                raise
+            self._move(UnitPhase.GATHERING)
         if self.phase is UnitPhase.READING:
             lease = self.shard_lease
             assert lease is not None, "a unit reading its shard has a lease"

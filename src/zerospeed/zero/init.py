@@ -97,6 +97,10 @@ class InitPartition(InitOwner):
             self._lease = None
         return values
 
+    def file_bytes(self) -> int:
+        lease = self._lease
+        return lease.slabs.nbytes[lease.index] if lease is not None else 0
+
     def tensors(self) -> list[torch.Tensor]:
         return [self.shard]
 
@@ -222,6 +226,20 @@ class Init(contextlib.ContextDecorator):
         __init__.__wrapped__ = original  # type: ignore[attr-defined]
         cls.__init__ = __init__  # type: ignore[misc]  # patched on the class itself, restored on exit
         self._patched.append((cls, original))
+
+    def partition(self, module: nn.Module) -> None:
+        """Partition ``module``'s parameters now (those not partitioned yet), as construction inside
+        this context does: for a model built on the meta device and materialised one piece at a time
+        (each piece filled, then partitioned here -- onto NVMe with ``remote_device="nvme"``), so that
+        it never exists whole in memory. Collective, like construction under the context."""
+        if not self.enabled:
+            raise RuntimeError("zero.Init(enabled=False).partition(...): this Init partitions nothing; "
+                               "make it with enabled=True")
+        meta = [name for name, p in module.named_parameters() if p.is_meta and owner_of(p) is None]
+        if meta:
+            raise ValueError(f"zero.Init.partition: parameter {meta[0]!r} is still on the meta device; "
+                             f"materialise it first (module.to_empty(device='cpu') and fill it)")
+        self._partition(module)
 
     def _partition(self, module: nn.Module) -> None:
         """Partition every parameter of ``module``'s subtree not yet partitioned."""

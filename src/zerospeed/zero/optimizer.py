@@ -53,11 +53,14 @@ class ZeroOptimizer:
     """Masters and the wrapped optimizer for this rank's shards; see the module docstring."""
 
     def __init__(self, units: Sequence[FlatParamUnit], comm: Comm, *, master_dtype: torch.dtype,
-                 allgather_bucket_elems: int, store: StateStore | None = None, grads_in_slabs: bool = False):
+                 allgather_bucket_elems: int, store: StateStore | None = None, grads_in_slabs: bool = False,
+                 keep_masters: bool = True):
         """``store``: where masters and optimizer states live (CPU memory under ``offload_optimizer``,
         for all units or, with ``ratio < 1``, the later ones); default: with the shards.
         ``grads_in_slabs``: swapped slabs also carry the unit's gradient shard (stages 2-3: gradient
-        shards stay out of memory)."""
+        shards stay out of memory). ``keep_masters=False`` (no optimizer will ever run: inference):
+        each unit's master *is* its compute-dtype shard, so no fp32 copy and no piece exists, and
+        :meth:`adopt` refuses; a model larger than memory then costs nothing beyond its shards."""
         self.units = list(units)
         self.comm = comm
         self.allgather_bucket_elems = max(int(allgather_bucket_elems), 1)
@@ -72,7 +75,11 @@ class ZeroOptimizer:
         self.tiers: list[StateTier] = (store.optimizer_tiers(sizes) if store is not None
                                        else [MemoryTier("device", unit.shard.device) for unit in self.units])
         params_swapped = store is not None and store.params.swaps
+        self.keeps_masters = keep_masters
         for u, unit in enumerate(self.units):
+            if not keep_masters:
+                self.masters.append(unit.shard)  # the same object: follows a swapped shard in and out
+                continue
             if self.tiers[u].swaps:
                 # a placeholder, never written (so it takes no memory): adopt() makes the real master in
                 # the unit's slab, one unit at a time, once the optimizer's states are known
@@ -112,6 +119,10 @@ class ZeroOptimizer:
     def adopt(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Point ``optimizer``'s groups at this rank's pieces, moving any state it already has (Adagrad
         makes its accumulators at construction) to the pieces as their slices."""
+        if not self.keeps_masters:
+            raise RuntimeError("this ZeRO state was built without an optimizer (keep_masters=False: inference), "
+                               "so it has no fp32 masters to update; pass the optimizer to zerospeed.initialize "
+                               "(optimizer=... or an \"optimizer\" config section) to train")
         known = {id(p) for unit in self.units for p in unit.params}
         for g, group in enumerate(optimizer.param_groups):
             for p in group["params"]:

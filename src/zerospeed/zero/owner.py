@@ -33,6 +33,10 @@ class InitOwner(Partitioned):
     def take_full(self) -> torch.Tensor:
         """The full values, after which the partition is dropped (an engine takes the parameter over)."""
 
+    def file_bytes(self) -> int:
+        """Bytes of the swap file holding this partition, freed by :meth:`take_full` (0: in memory)."""
+        return 0
+
 
 AnyOwner = Union[ParamOwner, InitOwner]
 

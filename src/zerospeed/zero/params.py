@@ -11,11 +11,19 @@ needed again within ``stage3_max_reuse_distance`` elements instead of releasing 
 When a step departs from the trace, units are simply gathered on demand (and the trace is recorded
 again), so a changed order costs speed, never correctness. Every rank runs the same module code, so
 every rank issues the same gathers in the same order.
+
+A forward that runs without grad (evaluation, generation: ZeRO-Inference) is followed by no backward
+but, usually, by the same forward again (a decode step runs every unit once per token, in the same
+order). There the trace is read as a cycle: the prefetch looks past the forward's end into the next
+forward's first units (never into a backward that will not come), at least the next unit is always
+prefetched, a unit counts as reused only within the same forward, and at the forward's end everything
+is released except those first units already on their way for the next call. Each unit is read
+once per forward, while the one before it computes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -48,10 +56,25 @@ class _PostBackward(torch.autograd.Function):
         return (None, *grads)
 
 
+@dataclass
+class PrefetchStats:
+    """What the coordinator did since it was made (for tests, benchmarks and progress reports)."""
+
+    forwards: int = 0  # model forwards begun
+    on_demand: int = 0  # units gathered when needed, nothing having fetched them ahead
+    prefetched: int = 0  # gathers started ahead of need
+    prefetch_used: int = 0  # ...of which the unit was used before being released
+    prefetch_wasted: int = 0  # ...released without a use (a changed order, or an error)
+    peak_live_elems: int = 0  # most non-persistent elements gathered (or in flight) at once
+    # the latest forward's needs, in order: (unit index, whether it had been fetched ahead)
+    last_forward: list[tuple[int, bool]] = field(default_factory=list)
+
+
 class _Trace:
     """The unit order of one step (forward events, then the same in reverse for backward)."""
 
     def __init__(self, forward: list[int], numel: list[int]):
+        self.forward_len = len(forward)
         self.seq = forward + forward[::-1]
         self.prefix = [0]
         for u in self.seq:
@@ -68,10 +91,21 @@ class _Trace:
                 return i
         return None
 
-    def reuse_distance(self, i: int) -> int | None:
-        """Elements gathered between event ``i`` and the next use of its unit (None: no next use)."""
+    def reuse_distance(self, i: int, backward: bool = True) -> int | None:
+        """Elements gathered between event ``i`` and the next use of its unit (None: no next use;
+        ``backward=False``: no backward follows, so only a use later in the same forward counts)."""
         j = self.next_use[i]
-        return None if j is None else self.prefix[j] - self.prefix[i + 1]
+        if j is None or (not backward and j >= self.forward_len):
+            return None
+        return self.prefix[j] - self.prefix[i + 1]
+
+    def ahead(self, position: int, backward: bool) -> list[int]:
+        """The units needed after event ``position``: the rest of the step, or (no backward) the
+        rest of this forward followed by the next forward (the trace read as a cycle)."""
+        if backward:
+            return self.seq[position + 1:]
+        forward = self.seq[: self.forward_len]
+        return forward[position + 1:] + forward
 
 
 class ParamCoordinator:
@@ -88,6 +122,10 @@ class ParamCoordinator:
         self._active = [0] * len(units)  # modules currently inside their forward, per unit
         self._last_event = [-1] * len(units)  # trace position of each unit's latest use
         self._in_forward = False  # inside the model's own forward (the trace records only there)
+        self._backward = True  # the current forward runs with grad: a backward may follow
+        self._ahead: set[int] = set()  # units gathered ahead of their use and not used yet
+        self._carried: set[int] = set()  # of those, fetched for the next forward (no-grad cycle)
+        self.stats = PrefetchStats()
         self._handles = []
         modules = dict(model.named_modules())
         for path, unit_ids in users.items():
@@ -101,9 +139,18 @@ class ParamCoordinator:
     def live_elems(self) -> int:
         return sum(u.numel for u in self.units if u.gathered and not u.persistent)
 
-    def release_all(self) -> None:
-        for unit in self.units:
-            unit.release()
+    def release_all(self, keep: set[int] | frozenset[int] = frozenset()) -> None:
+        """Release every gathered unit (except ``keep``)."""
+        for u, unit in enumerate(self.units):
+            if u not in keep:
+                self._release(u)
+
+    def _release(self, unit_id: int) -> None:
+        if unit_id in self._ahead:  # fetched ahead but never used: the trace was wrong this time
+            self._ahead.discard(unit_id)
+            self._carried.discard(unit_id)
+            self.stats.prefetch_wasted += 1
+        self.units[unit_id].release()
 
     # -- events -----------------------------------------------------------------------------
     def _event(self, unit_id: int) -> None:
@@ -117,21 +164,51 @@ class ParamCoordinator:
         else:
             self._cursor = position
         self._last_event[unit_id] = -1 if position is None else position
-        self.units[unit_id].gather()
+        unit = self.units[unit_id]
+        ahead = unit_id in self._ahead
+        if ahead:
+            self._ahead.discard(unit_id)
+            self._carried.discard(unit_id)
+            self.stats.prefetch_used += 1
+        elif not unit.gathered and not unit.persistent:
+            self.stats.on_demand += 1
+        if self._in_forward:
+            self.stats.last_forward.append((unit_id, ahead))
+        # start this unit's gather (if no prefetch did), then queue the next ones behind it, and only
+        # then wait: the storage always has the next read queued while this unit is copied and computed
+        unit.gather(async_op=True)
         if position is not None and self.policy.overlap:
             self._prefetch(position)
+        unit.wait()
+        self._note_live()
+
+    def _note_live(self) -> None:
+        self.stats.peak_live_elems = max(self.stats.peak_live_elems, self.live_elems())
 
     def _prefetch(self, position: int) -> None:
         assert self._trace is not None
         budget = self.policy.prefetch_elems
         live = self.live_elems()
-        for u in self._trace.seq[position + 1:]:
+        # with no backward to come, the budget is a window ahead of the current unit (units on their
+        # way count), and the next unit is always fetched, even when larger than the budget (the
+        # storage then always has the next read queued; DeepSpeed's prefetcher also overshoots)
+        first = not self._backward
+        cycle_start = self._trace.forward_len - position - 1  # index in ``ahead`` where the next forward starts
+        for k, u in enumerate(self._trace.ahead(position, self._backward)):
             unit = self.units[u]
             if unit.gathered:
+                if not self._backward and u in self._ahead:  # on its way: part of the look-ahead window
+                    budget -= unit.numel
+                    first = False
                 continue
-            if unit.numel > budget or live + unit.numel > self.policy.max_live_elems:
+            if (unit.numel > budget and not first) or live + unit.numel > self.policy.max_live_elems:
                 return
+            first = False
             unit.gather(async_op=True)
+            self.stats.prefetched += 1
+            self._ahead.add(u)
+            if not self._backward and k >= cycle_start:
+                self._carried.add(u)
             budget -= unit.numel
             live += unit.numel
 
@@ -139,19 +216,25 @@ class ParamCoordinator:
         if self._active[unit_id] > 0:
             return
         if self._trace is not None and self._last_event[unit_id] >= 0:
-            distance = self._trace.reuse_distance(self._last_event[unit_id])
+            distance = self._trace.reuse_distance(self._last_event[unit_id], backward=self._backward)
             if distance is not None and distance <= self.policy.max_reuse_distance \
                     and self.live_elems() <= self.policy.max_live_elems:
                 return
-        self.units[unit_id].release()
+        self._release(unit_id)
 
     # -- hooks ------------------------------------------------------------------------------
     def _begin_forward(self, module: nn.Module, args: Any) -> None:
-        self.release_all()  # a forward without backward may have left units gathered
-        self._active = [0] * len(self.units)  # ...or a module whose forward raised inside it
+        # a forward without backward may have left units gathered (or a module whose forward raised
+        # inside it): released, except the first units the previous no-grad forward fetched for this one
+        self.release_all(keep=self._carried)
+        self._carried = set()
+        self._active = [0] * len(self.units)
         self._cursor = -1
         self._last_event = [-1] * len(self.units)
         self._in_forward = True
+        self._backward = torch.is_grad_enabled()
+        self.stats.forwards += 1
+        self.stats.last_forward = []
         if self._recording is not None:
             self._recording = []
 
@@ -161,7 +244,8 @@ class ParamCoordinator:
             self._trace = _Trace(self._recording, self._numel)
             self._recording = None
         if not torch.is_grad_enabled() or not module.training:  # no backward expected: free it all now
-            self.release_all()
+            # ...but the next forward's first units, on their way (a decode step follows a decode step)
+            self.release_all(keep=self._carried if not self._backward else frozenset())
 
     def _pre_hook(self, unit_ids: list[int]) -> Callable[..., Any]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
@@ -210,6 +294,7 @@ class ParamCoordinator:
 
     def end_backward(self) -> None:
         """After a whole backward: nothing stays gathered, whatever the graph looked like."""
+        self._carried = set()
         self.release_all()
         self._cursor = -1
 

@@ -25,7 +25,7 @@ from zerospeed.sharding.slots import ParamInfo, Slot
 from zerospeed.zero.contract import CheckpointGroups, ParamOwner
 from zerospeed.zero.ds_param import Partitioned, ZeroParamStatus
 from zerospeed.zero.flat_param import FlatParamUnit, UnitPhase, shape_of
-from zerospeed.zero.owner import clear_owner, set_owner
+from zerospeed.zero.owner import clear_owner, init_partition, set_owner
 from zerospeed.zero.grads import ReductionPolicy
 from zerospeed.zero.layout import MIN_UNIT_ELEMS, UnitSpec, build_units, module_users
 from zerospeed.zero.memory import storage_bytes
@@ -51,10 +51,13 @@ class ShardedState:
                  accum_dtype: torch.dtype, reduction: ReductionPolicy, zero_cfg: ZeroPolicy,
                  external: dict[int, list[nn.Parameter]] | None = None, store: StateStore | None = None,
                  overlap_step: StepOverlap | None = None, norm: NormScope = NormScope(),
-                 owns: Callable[[nn.Parameter], bool] | None = None):
+                 owns: Callable[[nn.Parameter], bool] | None = None, with_optimizer: bool = True):
         """``store``: where state lives (default: all on the parameters' device); ``overlap_step``:
         whether the (offloaded) optimizer step may overlap backward (default: no); ``norm``: how the
-        global gradient norm counts parameters when the model is split beyond data parallelism."""
+        global gradient norm counts parameters when the model is split beyond data parallelism.
+        ``with_optimizer=False`` (no optimizer, e.g. ZeRO-Inference): no fp32 masters (each unit's
+        master is its shard), gradient shards only if a backward ever lands one, and :meth:`adopt`
+        refuses -- so a model streamed from NVMe costs its gathered units and nothing per parameter."""
         if stage not in (1, 2, 3):
             raise ValueError(f"ShardedState is for ZeRO stages 1-3, got {stage}")
         self.stage = stage
@@ -80,11 +83,12 @@ class ShardedState:
         sharding = GradSharding.for_stage(stage)
         self.zero_optimizer = ZeroOptimizer(self.units, comm, master_dtype=master_dtype,
                                             allgather_bucket_elems=zero_cfg.allgather_bucket_size,
-                                            store=self.store, grads_in_slabs=not sharding.keep_full)
+                                            store=self.store, grads_in_slabs=not sharding.keep_full,
+                                            keep_masters=with_optimizer)
         # enabled by adopt(), once the optimizer is known to be elementwise
         self._overlap_requested = overlap_step or StepOverlap(False, 1, "not requested")
         self.eager = EagerSteps(self.zero_optimizer, self._overlap_requested.without("no optimizer"),
-                                grad_of=lambda u: self.grads.units[u].shard)
+                                grad_of=lambda u: self.grads.shard_of(u))
         self.grads = ShardedGrads(self.units, comm, sharding, accum_dtype=accum_dtype,
                                   policy=reduction, overlap=overlap,
                                   max_in_flight_elems=zero_cfg.reduce_bucket_size,
@@ -93,7 +97,8 @@ class ShardedState:
                                   norm_skip=[[(piece.shard_offset, piece.shard_offset + piece.numel)
                                               for piece in plan.pieces(comm.rank)
                                               if piece.param in norm.counted_elsewhere]
-                                             for plan in self.plan.units])
+                                             for plan in self.plan.units],
+                                  lazy_shards=not with_optimizer)
         self._final_backward_end: float | None = None  # when this window's last backward ended
         # seconds of the last step (for benchmarks): the early updates (wall), how much of them ran
         # before backward ended, how long step() waited for them, the update at the step, and
@@ -153,7 +158,12 @@ class ShardedState:
         try:
             swapped = [(plan, spec) for plan, spec in zip(self.plan.units, specs)
                        if not spec.persistent and id(plan) not in in_memory]
-            run.check_room(sum(plan.shard_numel * itemsize(spec.params[0].dtype) for plan, spec in swapped),
+            sizes = [plan.shard_numel * itemsize(spec.params[0].dtype) for plan, spec in swapped]
+            # zero.Init partitions on the same disk are deleted as each parameter is taken, before its
+            # unit is written: the room needed at the peak is what they do not give back, or one unit
+            freed = sum(partition.file_bytes() for spec in specs for p in spec.params
+                        if (partition := init_partition(p)) is not None)
+            run.check_room(max(sum(sizes) - freed, max(sizes, default=0)),
                            f"the parameter shards of {len(swapped)} units")
             slabs = run.slabs("param", keep_buffers=self.store.param_buffers)
         except (OSError, ValueError, RuntimeError) as exc:
@@ -164,7 +174,9 @@ class ShardedState:
             unit = FlatParamUnit(plan, list(spec.params), self.comm, persistent=stage < 3 or spec.persistent,
                                  shard_tier=tier)
             units.append(unit)
-            if error is None and slabs is not None and not unit.persistent and id(plan) not in in_memory:
+            if error is not None and not unit.persistent:
+                unit.shard = torch.empty(0, dtype=unit.dtype)  # failing anyway: hold no shard (all in memory)
+            elif slabs is not None and not unit.persistent and id(plan) not in in_memory:
                 try:
                     alias = unit.shard.view(-1)  # the same memory; ``unit.shard`` is re-pointed in and out
                     unit.keep_shard_in(slabs.lease(slabs.add(alias, [unit.shard], check_room=False)))
@@ -257,9 +269,19 @@ class ShardedState:
         """Masters and optimizer states of ``units`` (default: all) in memory inside the block (the
         NVMe tier reads them, and writes them back after when ``write_back``; others: nothing to do)."""
         swapped = self.zero_optimizer.swapped
-        if swapped is None:
+        if swapped is not None:
+            return swapped.resident(units, write_back=write_back)
+        if self.zero_optimizer.keeps_masters or self.param_swap is None:
             return contextlib.nullcontext()
-        return swapped.resident(units, write_back=write_back)
+        # no optimizer: each unit's master is its shard, which the parameter tier may keep in a file
+        return self._shards_resident(range(len(self.units)) if units is None else units, write_back)
+
+    @contextlib.contextmanager
+    def _shards_resident(self, units: Sequence[int], write_back: bool) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for u in units:
+                stack.enter_context(self.units[u].shard_resident(write_back=write_back))
+            yield
 
     # -- queries ----------------------------------------------------------------------------
     def unit_of(self, param: nn.Parameter) -> tuple[FlatParamUnit, int]:
@@ -270,7 +292,10 @@ class ShardedState:
         raise KeyError(f"a tensor of shape {tuple(param.shape)} is not a parameter of this model")
 
     def release_all(self) -> None:
-        """Free every gathered stage-3 parameter (``engine.empty_partition_cache``)."""
+        """Free every gathered stage-3 parameter (``engine.empty_partition_cache``), also those the
+        coordinator fetched ahead for a next forward."""
+        if self.coordinator is not None:
+            self.coordinator.release_all()
         for unit in self.units:
             unit.release()
 
@@ -286,7 +311,7 @@ class ShardedState:
         if not unit.trainable[index]:
             return None
         with self.resident_state([unit_index]):  # an NVMe-kept gradient shard comes in with its slab
-            shard = self.grads.units[unit_index].shard
+            shard = self.grads.shard_of(unit_index)
             return unit.param_slice(unit.gather_shard_values(shard), index).float()
 
     def full_optimizer_state(self, unit_index: int, index: int, key: str) -> torch.Tensor | None:
@@ -372,7 +397,7 @@ class ShardedState:
     def checkpoint_groups(self) -> CheckpointGroups:
         """Swapped optimizer state: one unit per group, each made resident with :meth:`resident_state`
         while its slots are used, so a checkpoint never needs more than one unit's state in memory."""
-        if self.zero_optimizer.swapped is None:
+        if self.zero_optimizer.swapped is None and (self.zero_optimizer.keeps_masters or self.param_swap is None):
             return CheckpointGroups.everything_in_memory()
         return CheckpointGroups(tuple((u,) for u in range(len(self.units))), in_memory=False)
 

@@ -85,7 +85,9 @@ class _UnitGrads:
     """One unit's gradient shard on this rank: where it is kept, and what it holds in this window."""
 
     def __init__(self, index: int, unit: FlatParamUnit, dtype: torch.dtype, acc: torch.Tensor | None,
-                 tier: StateTier | None):
+                 tier: StateTier | None, lazy: bool = False):
+        """``lazy``: a stage-2/3 shard in memory is allocated by the first gradient that lands (or the
+        first read of it), not now: an engine without an optimizer (inference) never holds one."""
         self.index = index
         self.unit = unit
         self.plan = unit.plan
@@ -93,17 +95,28 @@ class _UnitGrads:
         lo, hi = self.plan.shard_range(unit.comm.rank)
         self.lo, self.hi = lo, hi
         self.device = unit.full.device
+        self._deferred: tuple[torch.device, bool] | None = None  # (where, pinned) of a shard not yet allocated
         if acc is not None:  # stage 1: the shard is this rank's part of the kept accumulator
             self.shard = acc[lo:hi]
         elif tier is not None and tier.swaps:  # the slab's gradient region, set by keep_in_slabs
             self.shard = torch.empty(0, dtype=torch.float32)
         else:  # in the optimizer's tier: an offloaded optimizer gets its gradients where it runs
             where = tier.device if tier is not None else self.device
-            self.shard = torch.zeros(hi - lo, dtype=dtype, device=where,
-                                     pin_memory=tier is not None and tier.pinned)
+            pinned = tier is not None and tier.pinned
+            self._deferred = (where, pinned) if lazy and hi > lo else None
+            self.shard = torch.zeros(0 if self._deferred else hi - lo, dtype=dtype, device=where,
+                                     pin_memory=pinned and not self._deferred)
         self.swapped: SlabGradStore | None = None  # the store keeping this shard in a slab, if any
         self.final_norm: torch.Tensor | None = None  # NVMe: the norm of this window's final value
         self.window = ShardWindow.EMPTY
+
+    def ensure(self) -> torch.Tensor:
+        """The shard, allocated (zeros) now if it was deferred (``lazy``)."""
+        if self._deferred is not None:
+            where, pinned = self._deferred
+            self.shard = torch.zeros(self.hi - self.lo, dtype=self.dtype, device=where, pin_memory=pinned)
+            self._deferred = None
+        return self.shard
 
     def advance(self, new: ShardWindow) -> None:
         self.window = _SHARD.check(f"internal error: the gradient shard of unit {self.plan.name!r}", self.window, new)
@@ -131,12 +144,14 @@ class ShardedGrads:
                  overlap: bool = True, max_in_flight_elems: int = 500_000_000,
                  shard_tiers: Sequence[StateTier] | None = None,
                  on_final_shard: Callable[[int], None] | None = None,
-                 norm_skip: Sequence[Ranges] | None = None):
+                 norm_skip: Sequence[Ranges] | None = None, lazy_shards: bool = False):
         """``overlap=False`` (``overlap_comm: false``) waits for each reduction as it is launched.
         ``shard_tiers``: per unit, where stages 2-3 keep the gradient shard (the optimizer's tier: CPU
         memory under ``offload_optimizer``, so each unit's reduced gradient moves there as it completes).
         ``on_final_shard(u)``: called when unit ``u``'s shard is final (the early optimizer step listens).
-        ``norm_skip``: per unit, ranges of this rank's shard another rank counts in the global norm."""
+        ``norm_skip``: per unit, ranges of this rank's shard another rank counts in the global norm.
+        ``lazy_shards``: allocate each stage-2/3 shard in memory only when a gradient first lands (no
+        optimizer: an inference engine allocates no gradient memory unless backward is run)."""
         self.comm = comm
         self.norm_skip: list[Ranges] = list(norm_skip) if norm_skip is not None else [()] * len(units)
         self.sharding = sharding
@@ -165,7 +180,8 @@ class ShardedGrads:
                                    fold_early=not sharding.keep_full, overlap=overlap,
                                    max_in_flight_elems=max(int(max_in_flight_elems), 1))
         tiers = list(shard_tiers) if shard_tiers is not None else [None] * len(units)
-        self.units = [_UnitGrads(i, u, accum_dtype, buckets[i].acc, None if sharding.keep_full else tiers[i])
+        self.units = [_UnitGrads(i, u, accum_dtype, buckets[i].acc, None if sharding.keep_full else tiers[i],
+                                 lazy=lazy_shards)
                       for i, u in enumerate(units)]
         self.final = False  # this backward is the window's last: a completed reduction is the final shard
         self._window_reduced = False  # stage 1: the window's accumulators have been reduced
@@ -219,6 +235,7 @@ class ShardedGrads:
             if self.final:
                 g.final_norm = counted_norm(value.reshape(-1), self.norm_skip[g.index])
         else:
+            g.ensure()
             if out.device != g.shard.device:  # an offloaded gradient shard: this unit's part moves now
                 out = out.to(g.shard.device)
             if accumulate:
@@ -254,11 +271,15 @@ class ShardedGrads:
     def shards(self) -> list[torch.Tensor]:
         """This rank's averaged gradient shard of every unit (valid after the window's last backward;
         an NVMe-kept one only while its unit is resident, after :meth:`prepare`)."""
-        return [g.shard for g in self.units]
+        return [g.ensure() for g in self.units]
+
+    def shard_of(self, unit_index: int) -> torch.Tensor:
+        """Unit ``unit_index``'s gradient shard (allocated now if it was deferred)."""
+        return self.units[unit_index].ensure()
 
     def step_grads(self) -> StepGrads:
         """The window's shards for the engine's unscale / norm / clip (see :mod:`zero.step_grads`)."""
-        entries = [(g.shard, (g.final_norm if g.final_norm is not None else torch.zeros(()))
+        entries = [(g.ensure(), (g.final_norm if g.final_norm is not None else torch.zeros(()))
                     if g.swapped is not None else None) for g in self.units]
         device = next((g.device for g in self.units), torch.device("cpu"))
         self._step_grads = StepGrads(entries, device, self.norm_skip)
