@@ -212,8 +212,13 @@ def test_transform_factory_order_and_merge_points() -> None:
     assert [t.name for t in build_transforms(settings(keep_module_on_host=True), comm=None, device=cpu)] == []
     assert build_transforms(settings(dtype="int8", quant={"weight": {"group_size": 32}}), comm=None,
                             device=cpu) == (ModuleTo(cpu, "to_device"), Int8Weights(32))
+    zero = {"stage": 3, "offload_param": {"device": "cpu"}}
+    steps = build_transforms(settings(dtype="bf16", zero=zero), comm=None, device=cpu)
+    assert [t.name for t in steps] == ["cast_dtype", "zero_inference"]  # ZeRO-Inference places the weights itself
+    placed = steps[-1].zero  # type: ignore[attr-defined]
+    assert placed["stage"] == 3 and placed["offload_param"]["device"] == "cpu"
     for data, key in (({"replace_with_kernel_inject": True}, "replace_with_kernel_inject: kernel injection"),
-                      ({"zero": {"stage": 3}}, "zero: ZeRO-Inference")):
+):
         with pytest.raises(NotImplementedError) as info:
             build_transforms(settings(**data), comm=None, device=cpu)
         assert str(info.value).startswith(key) and "wired in at merge" in str(info.value)

@@ -71,6 +71,30 @@ def test_int8_dtype_quantizes_the_linears_through_the_engine(kind: str) -> None:
     assert engine.generate(PROMPT, max_new_tokens=6, do_sample=False).shape == (2, 10)
 
 
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_zero_section_streams_the_weights_and_generates_hf_tokens(device: str, tmp_path: Path) -> None:
+    """``init_inference(model, zero={...})``: ZeRO-Inference (stage 3 + offload_param) through the engine gives
+    Hugging Face's greedy tokens; the weights live in shards (nothing gathered after generate); destroy()
+    removes the swap files."""
+    reference = _model("llama").eval()
+    offload: dict[str, Any] = {"device": device}
+    if device == "nvme":
+        offload |= {"nvme_path": str(tmp_path), "max_in_cpu": 0}  # else a model this small stays in memory
+    engine = init_inference(_model("llama"), dtype=torch.float32,
+                            zero={"stage": 3, "offload_param": offload, "stage3_param_persistence_threshold": 0})
+    placed = engine._zero_inference()
+    assert placed is not None and engine.module is placed.module
+    want = reference.generate(PROMPT, max_new_tokens=8, do_sample=False)
+    assert torch.equal(engine.generate(PROMPT, max_new_tokens=8, do_sample=False), want)
+    assert all(p.numel() == 0 for p in engine.module.parameters())  # released: only the shards remain
+    assert torch.equal(engine(want).logits, reference(want).logits)
+    if device == "nvme":
+        assert any(tmp_path.rglob("*")) and placed.io_stats()["bytes_read"] > 0
+    engine.destroy()
+    if device == "nvme":
+        assert not [f for f in tmp_path.rglob("*") if f.is_file()]
+
+
 def test_max_out_tokens_and_refusals() -> None:
     engine = init_inference(_model(), dtype=torch.float32, max_tokens=3)
     with pytest.raises(RuntimeError) as info:

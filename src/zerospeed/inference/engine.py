@@ -21,7 +21,7 @@ from torch import nn
 from zerospeed.distributed.comm import Comm
 from zerospeed.inference.config import DeepSpeedInferenceConfig, parse_inference_config
 from zerospeed.inference.settings import InferenceSettings, resolve_settings
-from zerospeed.inference.transforms import ModelTransform, build_transforms
+from zerospeed.inference.transforms import ModelTransform, ZeroInferencePlacement, build_transforms
 
 
 class InferenceEngine(nn.Module):
@@ -97,8 +97,20 @@ class InferenceEngine(nn.Module):
         if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[-1] > limit:
             raise RuntimeError(f"input of {ids.shape[-1]} tokens exceeds max_out_tokens={limit}; raise max_out_tokens "
                                f"(alias max_tokens) in the inference config")
-        with torch.no_grad():
-            return generate(*inputs, **kwargs)
+        try:
+            with torch.no_grad():
+                return generate(*inputs, **kwargs)
+        finally:
+            placed = self._zero_inference()
+            if placed is not None:  # the units its last forward fetched for a next one that is not coming
+                placed.release()
+
+    def _zero_inference(self) -> Any:
+        """The ZeRO-Inference placement's stage-3 streaming, when the config asked for it."""
+        for transform in self.transforms:
+            if isinstance(transform, ZeroInferencePlacement):
+                return transform.placed
+        return None
 
     # -- profiling (DeepSpeed's profile_model_time / model_times) ---------------------------------
     def profile_model_time(self, use_cuda_events: bool = True) -> None:
@@ -136,7 +148,11 @@ class InferenceEngine(nn.Module):
         return False
 
     def destroy(self) -> None:
-        """DeepSpeed frees its kernels' workspace here; zerospeed keeps none outside the module."""
+        """DeepSpeed frees its kernels' workspace here; zerospeed has none, but ZeRO-Inference's hooks and
+        swap files go (the module cannot run afterwards)."""
+        placed = self._zero_inference()
+        if placed is not None:
+            placed.close()
 
 
 def _tp_comm(settings: InferenceSettings) -> Comm | None:

@@ -9,7 +9,7 @@ int8 weights and ZeRO-Inference placement (in that order; the last three are wir
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -80,6 +80,31 @@ class Int8Weights:
         return model
 
 
+class ZeroInferencePlacement:
+    """ZeRO-Inference: the weights sharded (stage 3, in CPU memory or on NVMe per ``offload_param``) and
+    streamed unit by unit through every forward. Keeps what it placed (``placed``), so the stage-3
+    engine, its hooks and its swap files live as long as the inference engine holding this transform."""
+
+    name = "zero_inference"
+
+    def __init__(self, zero: dict[str, Any]) -> None:
+        self.zero = zero
+        self.placed: Any = None  # the ZeroInference, once applied
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ZeroInferencePlacement) and other.zero == self.zero
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        from zerospeed.inference.zero_inference import zero_inference
+
+        if self.placed is not None:
+            raise RuntimeError("ZeroInferencePlacement applies once; build the transforms again for another model")
+        self.placed = zero_inference(model, self.zero)
+        return self.placed.module
+
+
 def build_transforms(settings: InferenceSettings, *, comm: Comm | None,
                      device: torch.device) -> tuple[ModelTransform, ...]:
     """The transforms ``settings`` ask for, in the order they run (``comm``: the tensor-parallel group,
@@ -99,9 +124,9 @@ def build_transforms(settings: InferenceSettings, *, comm: Comm | None,
     if settings.int8 is not None:
         out.append(Int8Weights(settings.int8.group_size))
     if settings.zero is not None:
-        raise NotImplementedError("zero: ZeRO-Inference (stage 3 placement) is not in this build yet; it is wired "
-                                  "in at merge")
+        out.append(ZeroInferencePlacement(settings.zero.to_dict()))
     return tuple(out)
 
 
-__all__ = ["Int8Weights", "LoadCheckpoint", "ModelTransform", "ModuleTo", "TensorParallelSplit", "build_transforms"]
+__all__ = ["Int8Weights", "LoadCheckpoint", "ModelTransform", "ModuleTo", "TensorParallelSplit", "ZeroInferencePlacement",
+           "build_transforms"]
