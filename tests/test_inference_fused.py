@@ -36,7 +36,7 @@ NEW = 32
 
 def tiny(kind: str, *, seed: int = 0, positions: int = 96) -> Any:
     """A seeded tiny causal LM of ``kind`` with room for ``positions`` positions."""
-    from transformers import AutoModelForCausalLM, MixtralConfig
+    from transformers import AutoModelForCausalLM, MistralConfig, MixtralConfig
 
     if kind == "gpt2":
         config = tiny_gpt2_config(n_positions=positions)
@@ -47,6 +47,10 @@ def tiny(kind: str, *, seed: int = 0, positions: int = 96) -> Any:
                                num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                                num_experts_per_tok=2, max_position_embeddings=positions, bos_token_id=0,
                                eos_token_id=1, pad_token_id=1)
+    elif kind == "mistral":  # a sliding window as long as the positions: the fused cache must not exceed it
+        config = MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions,
+                               sliding_window=positions, bos_token_id=0, eos_token_id=1, pad_token_id=1)
     else:
         raise ValueError(kind)
     torch.manual_seed(seed)
@@ -99,6 +103,15 @@ def test_greedy_left_padded_batch_equals_hf(kind: str) -> None:
     ref, fused, _ = pair(kind)
     ids, mask = left_padded([12, 7, 3, 12])
     assert_same_generation(greedy(ref, ids, mask), greedy(fused, ids, mask))
+
+
+def test_mistral_left_padded_batch_equals_hf_and_a_cache_beyond_its_sliding_window_is_refused() -> None:
+    ref, fused, report = pair("mistral")
+    assert report.family == "mistral"
+    ids, mask = left_padded([12, 6])
+    assert_same_generation(greedy(ref, ids, mask), greedy(fused, ids, mask))
+    with pytest.raises(UnsupportedModelError, match="max_out_tokens=97 exceeds the model's sliding_window=96"):
+        inject_fused(tiny("mistral"), max_out_tokens=97)
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
