@@ -19,7 +19,7 @@ medians of per-round ratios against ``hf``. ``tokens`` says whether a side's gre
 tokens is printed).
 
     python benchmarks/bench_inference.py [--models gpt2 llama] [--dtypes fp32 bf16] [--batches 1 4]
-        [--prompt 128] [--new 64] [--rounds 3] [--quick]
+        [--prompt 128] [--new 64] [--rounds 3] [--threads N] [--quick]
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def run_case(kind: str, dtype_name: str, batch: int, args: argparse.Namespace) -
               f"ttft ms {[round(x * 1e3) for x in t.ttft]}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["gpt2", "llama"])
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=sorted(DTYPES))
@@ -129,8 +129,11 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     parser.add_argument("--quick", action="store_true", help="small models, short runs (a smoke test)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.quick:
         args.prompt, args.new, args.rounds = min(args.prompt, 32), min(args.new, 8), 1
     if args.new < 2:
