@@ -11,9 +11,9 @@ generates the same count):
 
 More sides plug in as functions in :data:`SIDES` (``name -> builder(model, args) -> model``).
 
-Per round and side: the time of ``generate(max_new_tokens=1)`` is the time to first token (prefill);
-the time of ``generate(max_new_tokens=N)`` minus it, over ``N - 1``, is the time per generated token
-(decode). Rounds rotate the order of the sides; the figures are medians over rounds, the ratios
+Per round and side, one ``generate(max_new_tokens=N)`` call with a streamer that only stamps the time of
+each token: the first token's stamp is the time to first token (prefill), the span from the first to the
+last token over ``N - 1`` the time per generated token (decode). Rounds rotate the order of the sides; the figures are medians over rounds, the ratios
 medians of per-round ratios against ``hf``. ``tokens`` says whether a side's greedy tokens equal
 ``hf``'s (in bf16 a different rounding order may legitimately change a near-tie; the share of equal
 tokens is printed).
@@ -76,12 +76,29 @@ class Timing:
     per_token: list[float]
 
 
-def generate(model: nn.Module, ids: torch.Tensor, new: int) -> tuple[float, torch.Tensor]:
+class TokenClock:
+    """A ``generate(streamer=...)`` that only records when each put arrives: the prompt first, then each new
+    token, so one call gives both the time to the first token and the time between later tokens."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.stamps: list[float] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.stamps.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def generate(model: nn.Module, ids: torch.Tensor, new: int) -> tuple[float, float, torch.Tensor]:
+    """Time to first token, mean time per later token (seconds), and the output of one greedy call."""
+    clock = TokenClock()
     with torch.no_grad():
-        start = time.perf_counter()
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,  # type: ignore[operator]
-                             min_new_tokens=new, do_sample=False, pad_token_id=0)
-        return time.perf_counter() - start, out
+                             min_new_tokens=new, do_sample=False, pad_token_id=0, streamer=clock)
+    first, last = clock.stamps[1], clock.stamps[-1]  # stamps[0]: the prompt, before any forward
+    return first - clock.start, (last - first) / (new - 1), out
 
 
 def run_case(kind: str, dtype_name: str, batch: int, args: argparse.Namespace) -> None:
@@ -92,14 +109,13 @@ def run_case(kind: str, dtype_name: str, batch: int, args: argparse.Namespace) -
     tokens: dict[str, torch.Tensor] = {}
     for name, model in models.items():  # warm-up, and the tokens each side generates
         generate(model, ids, 2)
-        tokens[name] = generate(model, ids, args.new)[1][:, args.prompt:]
+        tokens[name] = generate(model, ids, args.new)[2][:, args.prompt:]
     order = list(models)
     for r in range(args.rounds):
         for name in order[r % len(order):] + order[:r % len(order)]:
-            first, _ = generate(models[name], ids, 1)
-            total, _ = generate(models[name], ids, args.new)
+            first, per_token, _ = generate(models[name], ids, args.new)
             timings[name].ttft.append(first)
-            timings[name].per_token.append((total - first) / (args.new - 1))
+            timings[name].per_token.append(per_token)
     print(f"\n{kind} {dtype_name} batch {batch}: prompt {args.prompt}, {args.new} new tokens, {args.rounds} rounds")
     print(f"{'side':<8}{'ttft ms':>10}{'prefill tok/s':>15}{'decode ms/tok':>15}{'decode tok/s':>14}"
           f"{'decode x hf':>13}{'prefill x hf':>14}  tokens")
