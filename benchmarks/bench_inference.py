@@ -7,7 +7,9 @@ generates the same count):
 
 * ``hf``: plain Hugging Face, its default ``DynamicCache`` (the peer);
 * ``fused``: ``zerospeed.inference.fused.inject_fused`` (kernel injection: fused attention over a
-  preallocated cache), on a deep copy of the same model.
+  preallocated cache), on a deep copy of the same model;
+* ``int8``: ``init_inference(dtype=torch.int8, replace_with_kernel_inject=True)``: the fused decoder with
+  group-wise int8 weights (its tokens may differ from fp32's where logits nearly tie: the share is printed).
 
 More sides plug in as functions in :data:`SIDES` (``name -> builder(model, args) -> model``).
 
@@ -66,8 +68,19 @@ def side_fused(model: nn.Module, args: argparse.Namespace) -> nn.Module:
     return fused
 
 
+def side_int8(model: nn.Module, args: argparse.Namespace) -> nn.Module:
+    """The serving engine's own path: ``init_inference(dtype=torch.int8, replace_with_kernel_inject=True)``
+    (fused decoder, then group-wise int8 weights with the native kernel; activations in the model's dtype)."""
+    import zerospeed
+
+    engine = zerospeed.init_inference(copy.deepcopy(model), dtype=torch.int8, replace_with_kernel_inject=True,
+                                      max_out_tokens=args.prompt + args.new)
+    return engine.module
+
+
 #: name -> builder of that side's model from the shared Hugging Face model ("hf" first: the peer).
-SIDES: dict[str, Callable[[nn.Module, argparse.Namespace], nn.Module]] = {"hf": side_hf, "fused": side_fused}
+SIDES: dict[str, Callable[[nn.Module, argparse.Namespace], nn.Module]] = {"hf": side_hf, "fused": side_fused,
+                                                                          "int8": side_int8}
 
 
 @dataclass

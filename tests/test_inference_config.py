@@ -16,7 +16,7 @@ from zerospeed.config import ConfigError
 from zerospeed.inference.config import (DeepSpeedInferenceConfig, default_inference_config, merge_arguments,
                                         parse_inference_config)
 from zerospeed.inference.settings import InferenceSettings, Int8Settings, resolve_settings
-from zerospeed.inference.transforms import Int8Weights, LoadCheckpoint, ModuleTo, build_transforms
+from zerospeed.inference.transforms import Int8Weights, KernelInjection, LoadCheckpoint, ModuleTo, build_transforms
 
 CPU = {"device_type": "cpu", "supported_dtypes": (torch.float32, torch.bfloat16)}
 
@@ -204,7 +204,7 @@ def test_tensor_parallel_degree_sources() -> None:
                                "or leave tp_size out")
 
 
-def test_transform_factory_order_and_merge_points() -> None:
+def test_transform_factory_order() -> None:
     cpu = torch.device("cpu")
     steps = build_transforms(settings(dtype="bf16", checkpoint="/c.pt"), comm=None, device=cpu)
     assert [t.name for t in steps] == ["load_checkpoint", "cast_dtype", "to_device"]
@@ -217,8 +217,6 @@ def test_transform_factory_order_and_merge_points() -> None:
     assert [t.name for t in steps] == ["cast_dtype", "zero_inference"]  # ZeRO-Inference places the weights itself
     placed = steps[-1].zero  # type: ignore[attr-defined]
     assert placed["stage"] == 3 and placed["offload_param"]["device"] == "cpu"
-    for data, key in (({"replace_with_kernel_inject": True}, "replace_with_kernel_inject: kernel injection"),
-):
-        with pytest.raises(NotImplementedError) as info:
-            build_transforms(settings(**data), comm=None, device=cpu)
-        assert str(info.value).startswith(key) and "wired in at merge" in str(info.value)
+    steps = build_transforms(settings(dtype="int8", replace_with_kernel_inject=True, max_tokens=64), comm=None,
+                             device=cpu)
+    assert steps == (ModuleTo(cpu, "to_device"), KernelInjection(64), Int8Weights(128))  # int8 finds the fused qkv

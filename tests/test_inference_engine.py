@@ -95,6 +95,26 @@ def test_zero_section_streams_the_weights_and_generates_hf_tokens(device: str, t
         assert not [f for f in tmp_path.rglob("*") if f.is_file()]
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_kernel_inject_generates_hf_tokens_and_composes_with_int8(kind: str) -> None:
+    """``replace_with_kernel_inject=True``: the fused, KV-cached decoder gives HF's greedy tokens in fp32; with
+    ``dtype=torch.int8`` as well, the fused qkv projection is quantized too and generation still runs."""
+    from zerospeed.inference.fused import FusedKVCache
+    from zerospeed.inference.quantize import Int8Linear
+
+    reference = _model(kind).eval()
+    engine = init_inference(_model(kind), dtype=torch.float32, replace_with_kernel_inject=True, max_out_tokens=32)
+    want = reference.generate(PROMPT, max_new_tokens=16, do_sample=False)
+    assert torch.equal(engine.generate(PROMPT, max_new_tokens=16, do_sample=False), want)
+    out = engine(PROMPT, use_cache=True)
+    assert isinstance(out.past_key_values, FusedKVCache)
+    torch.testing.assert_close(out.logits, reference(PROMPT).logits, rtol=0, atol=1e-5)
+    quantized = init_inference(_model(kind), dtype=torch.int8, replace_with_kernel_inject=True, max_out_tokens=32)
+    names = {name for name, m in quantized.module.named_modules() if isinstance(m, Int8Linear)}
+    assert any(name.endswith("qkv") for name in names), sorted(names)
+    assert quantized.generate(PROMPT, max_new_tokens=16, do_sample=False).shape == want.shape
+
+
 def test_max_out_tokens_and_refusals() -> None:
     engine = init_inference(_model(), dtype=torch.float32, max_tokens=3)
     with pytest.raises(RuntimeError) as info:
@@ -106,8 +126,12 @@ def test_max_out_tokens_and_refusals() -> None:
     assert engine.is_compiled is False
     with pytest.raises(ValueError, match="dtype: conflicting values in config"):
         init_inference(_model(), {"dtype": "fp32"}, dtype=torch.bfloat16)
-    with pytest.raises(NotImplementedError, match="replace_with_kernel_inject: kernel injection"):
-        init_inference(_model(), kernel_inject=True)
+    with pytest.raises(ValueError, match="max_out_tokens=1024 exceeds the model's n_positions=32; use max_out_tokens"):
+        init_inference(_model(), kernel_inject=True)  # DeepSpeed's default cache is longer than this tiny model
+    with pytest.raises(ValueError, match="OPTForCausalLM"):
+        from transformers import OPTConfig, OPTForCausalLM
+        init_inference(OPTForCausalLM(OPTConfig(hidden_size=16, num_hidden_layers=1, ffn_dim=32, num_attention_heads=2,
+                                                word_embed_proj_dim=16, vocab_size=50)), kernel_inject=True)
     plain = init_inference(torch.nn.Linear(2, 2), dtype=torch.float32)
     with pytest.raises(AttributeError, match="Linear has no generate"):
         plain.generate(torch.ones(1, 2))

@@ -94,14 +94,14 @@ def _greedy(model: nn.Module, ids: torch.Tensor, steps: int) -> torch.Tensor:
     return ids
 
 
-def _hf_case(kind: str, overrides: dict[str, Any]) -> dict[str, Any]:
+def _hf_case(kind: str, overrides: dict[str, Any], **engine_kwargs: Any) -> dict[str, Any]:
     import zerospeed
 
     model = _tiny(kind, **overrides)
     reference = copy.deepcopy(model)
     want = reference.generate(PROMPTS, max_new_tokens=NEW_TOKENS, do_sample=False)
     want_logits = reference(want).logits
-    engine = zerospeed.init_inference(model, tensor_parallel={"tp_size": 2}, dtype=torch.float32)
+    engine = zerospeed.init_inference(model, tensor_parallel={"tp_size": 2}, **{"dtype": torch.float32, **engine_kwargs})
     got = engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS, do_sample=False)
     got_logits = engine(want).logits
     split = sorted({type(m).__name__ for m in engine.module.modules()
@@ -111,6 +111,15 @@ def _hf_case(kind: str, overrides: dict[str, Any]) -> dict[str, Any]:
             "max_logit_diff": (got_logits - want_logits).abs().max().item(), "split": split,
             "tp": (engine.tp_size, engine.mp_world_size), "params": sum(p.numel() for p in engine.module.parameters())
             , "full_params": sum(p.numel() for p in reference.parameters())}
+
+
+def zerospeed_int8_tokens() -> list[list[int]]:
+    """Split, injected and int8 at tp=2: the tokens (every rank must produce the same ones)."""
+    import zerospeed
+
+    engine = zerospeed.init_inference(_tiny("llama"), tensor_parallel={"tp_size": 2}, dtype=torch.int8,
+                                      replace_with_kernel_inject=True, max_out_tokens=64)
+    return engine.generate(PROMPTS, max_new_tokens=8, do_sample=False).tolist()
 
 
 def _policy_case() -> dict[str, Any]:
@@ -135,6 +144,11 @@ def _policy_case() -> dict[str, Any]:
 def _all_cases() -> dict[str, Any]:
     out: dict[str, Any] = {kind: _hf_case(kind, {}) for kind in ("gpt2", "llama", "mixtral")}
     out["gpt2_odd_vocab"] = _hf_case("gpt2", {"vocab_size": 101})
+    # the whole serving path at tp=2: split, then the fused KV-cached decoder over the split projections
+    out["llama_injected"] = _hf_case("llama", {}, replace_with_kernel_inject=True, max_out_tokens=64)
+    out["gpt2_injected"] = _hf_case("gpt2", {}, replace_with_kernel_inject=True, max_out_tokens=64)
+    int8 = zerospeed_int8_tokens()
+    out["int8_injected_tokens"] = int8
     out["policy"] = _policy_case()
     out["refusals"] = _refusals()
     out["group_and_sampling"] = _group_and_sampling()
@@ -213,7 +227,7 @@ def test_tp2_generation_matches_single_process_hf() -> None:
     ranks = run_distributed(_all_cases, 2, timeout=300)
     assert ranks[0]["refusals"] == ranks[1]["refusals"]
     for rank in ranks:
-        for kind in ("gpt2", "llama", "mixtral", "gpt2_odd_vocab"):
+        for kind in ("gpt2", "llama", "mixtral", "gpt2_odd_vocab", "llama_injected", "gpt2_injected"):
             case = rank[kind]
             assert case["tokens_equal"], (kind, case)
             assert case["new_tokens"] == NEW_TOKENS
@@ -231,6 +245,8 @@ def test_tp2_generation_matches_single_process_hf() -> None:
         assert policy["kinds"] == ["ColumnParallelLinear", "RowParallelLinear", "ColumnParallelLinear",
                                    "RowParallelLinear", "VocabParallelHead"]
 
+    assert ranks[0]["int8_injected_tokens"] == ranks[1]["int8_injected_tokens"]
+    assert len(ranks[0]["int8_injected_tokens"][0]) == PROMPTS.shape[1] + 8
     sampling = [rank["group_and_sampling"] for rank in ranks]
     assert all(case["tp"] == 2 and case["greedy_equal"] and case["beams_equal"] for case in sampling), sampling
     assert all(case["mpu"] == (2, True) for case in sampling), sampling

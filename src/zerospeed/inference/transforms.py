@@ -3,7 +3,7 @@
 Each transform is a small policy object (:class:`ModelTransform`: a ``name`` and ``apply(model) ->
 model``). :func:`build_transforms` is the one place that decides which run: load the checkpoint,
 cast the dtype, split over the tensor-parallel group, move to the device, then kernel injection,
-int8 weights and ZeRO-Inference placement (in that order; the last three are wired in at merge).
+int8 weights and ZeRO-Inference placement (in that order).
 """
 
 from __future__ import annotations
@@ -67,6 +67,22 @@ class TensorParallelSplit:
 
 
 @dataclass(frozen=True)
+class KernelInjection:
+    """``replace_with_kernel_inject``: the decoder stack replaced by fused attention over a preallocated KV
+    cache of ``max_out_tokens`` positions (its projections stay linear modules, so int8 still finds them)."""
+
+    max_out_tokens: int
+    dtype: torch.dtype | None = None
+    name: str = "kernel_inject"
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        from zerospeed.inference.fused import inject_fused
+
+        inject_fused(model, max_out_tokens=self.max_out_tokens, dtype=self.dtype)
+        return model
+
+
+@dataclass(frozen=True)
 class Int8Weights:
     """Group-wise int8 weights for every linear-like module (tied weights stay as they are)."""
 
@@ -119,8 +135,7 @@ def build_transforms(settings: InferenceSettings, *, comm: Comm | None,
     if settings.zero is None and not settings.keep_module_on_host:
         out.append(ModuleTo(device, "to_device"))
     if settings.kernel_inject:
-        raise NotImplementedError("replace_with_kernel_inject: kernel injection (fused KV-cached attention) is not "
-                                  "in this build yet; it is wired in at merge")
+        out.append(KernelInjection(settings.max_out_tokens, settings.compute_dtype))
     if settings.int8 is not None:
         out.append(Int8Weights(settings.int8.group_size))
     if settings.zero is not None:
@@ -128,5 +143,5 @@ def build_transforms(settings: InferenceSettings, *, comm: Comm | None,
     return tuple(out)
 
 
-__all__ = ["Int8Weights", "LoadCheckpoint", "ModelTransform", "ModuleTo", "TensorParallelSplit", "ZeroInferencePlacement",
+__all__ = ["Int8Weights", "KernelInjection", "LoadCheckpoint", "ModelTransform", "ModuleTo", "TensorParallelSplit", "ZeroInferencePlacement",
            "build_transforms"]
