@@ -11,7 +11,10 @@ generates the same count):
 * ``int8``: ``init_inference(dtype=torch.int8, replace_with_kernel_inject=True)``: the fused decoder with
   group-wise int8 weights (its tokens may differ from fp32's where logits nearly tie: the share is printed).
 
-More sides plug in as functions in :data:`SIDES` (``name -> builder(model, args) -> model``).
+More sides plug in as functions in :data:`SIDES` (``name -> builder(model, args) -> model``). With
+``--sides ... tp2 tp2-int8`` the same model is also served at tensor-parallel size 2 (``init_inference`` with
+``tp_size`` 2 and kernel injection, fp32 or int8) on 2 gloo ranks of one thread each, timed in their own
+processes after the single-process rounds (not interleaved with them).
 
 Per round and side, one ``generate(max_new_tokens=N)`` call with a streamer that only stamps the time of
 each token: the first token's stamp is the time to first token (prefill), the span from the first to the
@@ -29,12 +32,16 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import sys
 import time
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # so the tp=2 ranks can import this module by name
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -48,7 +55,7 @@ def build_model(kind: str, dtype: torch.dtype, *, quick: bool) -> nn.Module:
         config: Any = GPT2Config(n_layer=layers, n_embd=width, n_head=width // 64, vocab_size=50257, n_positions=1024)
     elif kind == "llama":
         config = LlamaConfig(hidden_size=width, intermediate_size=width * 8 // 3, num_hidden_layers=layers,
-                             num_attention_heads=width // 64, num_key_value_heads=width // 192,
+                             num_attention_heads=width // 64, num_key_value_heads=max(2, width // 192),
                              vocab_size=32000, max_position_embeddings=1024)
     else:
         raise ValueError(f"--models: unknown model {kind!r}; expected gpt2 or llama")
@@ -83,6 +90,10 @@ SIDES: dict[str, Callable[[nn.Module, argparse.Namespace], nn.Module]] = {"hf": 
                                                                           "int8": side_int8}
 
 
+#: the tensor-parallel sides, run on 2 ranks: fused fp32 (or the model's dtype), and fused + int8
+TP2_SIDES = ("tp2", "tp2-int8")
+
+
 @dataclass
 class Timing:
     ttft: list[float]
@@ -114,10 +125,49 @@ def generate(model: nn.Module, ids: torch.Tensor, new: int) -> tuple[float, floa
     return first - clock.start, (last - first) / (new - 1), out
 
 
+def _prompt_ids(batch: int, prompt: int) -> torch.Tensor:
+    return torch.randint(2, 1000, (batch, prompt), generator=torch.Generator().manual_seed(1))
+
+
+def _tp2_rank(kind: str, dtype_name: str, batch: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """One of 2 ranks: ``init_inference(tensor_parallel={"tp_size": 2}, replace_with_kernel_inject=True)`` on the
+    same seeded model, optionally int8; the same generate calls as the single-process sides."""
+    import zerospeed
+
+    base = build_model(kind, DTYPES[dtype_name], quick=spec["quick"])
+    extra: dict[str, Any] = {"dtype": torch.int8} if spec["int8"] else {}
+    engine = zerospeed.init_inference(base, tensor_parallel={"tp_size": 2}, replace_with_kernel_inject=True,
+                                      max_out_tokens=spec["prompt"] + spec["new"], **extra)
+    ids = _prompt_ids(batch, spec["prompt"])
+    generate(engine.module, ids, 2)
+    tokens = generate(engine.module, ids, spec["new"])[2][:, spec["prompt"]:]
+    timing = Timing([], [])
+    for _ in range(spec["rounds"]):
+        first, per_token, _ = generate(engine.module, ids, spec["new"])
+        timing.ttft.append(first)
+        timing.per_token.append(per_token)
+    return {"ttft": timing.ttft, "per_token": timing.per_token, "tokens": tokens.tolist()}
+
+
+def _tp2_sides(kind: str, dtype_name: str, batch: int, args: argparse.Namespace) -> dict[str, tuple[Timing, torch.Tensor]]:
+    """tp=2 sides: 2 gloo ranks on this machine, one torch thread each (the single-process sides use the
+    same 2 cores through torch's threads). Timed in their own processes, after the single-process rounds."""
+    from zerospeed.testing import run_distributed
+
+    out: dict[str, tuple[Timing, torch.Tensor]] = {}
+    for name, int8 in (("tp2", False), ("tp2-int8", True)):
+        if name not in args.sides:
+            continue
+        spec = {"quick": args.quick, "int8": int8, "prompt": args.prompt, "new": args.new, "rounds": args.rounds}
+        rank0 = run_distributed(_tp2_rank, 2, kind, dtype_name, batch, spec, timeout=3600, threads_per_rank=1)[0]
+        out[name] = (Timing(rank0["ttft"], rank0["per_token"]), torch.tensor(rank0["tokens"]))
+    return out
+
+
 def run_case(kind: str, dtype_name: str, batch: int, args: argparse.Namespace) -> None:
     base = build_model(kind, DTYPES[dtype_name], quick=args.quick)
     models = {name: build(base, args) for name, build in SIDES.items() if name in args.sides}
-    ids = torch.randint(2, 1000, (batch, args.prompt), generator=torch.Generator().manual_seed(1))
+    ids = _prompt_ids(batch, args.prompt)
     timings = {name: Timing([], []) for name in models}
     tokens: dict[str, torch.Tensor] = {}
     for name, model in models.items():  # warm-up, and the tokens each side generates
@@ -129,6 +179,8 @@ def run_case(kind: str, dtype_name: str, batch: int, args: argparse.Namespace) -
             first, per_token, _ = generate(models[name], ids, args.new)
             timings[name].ttft.append(first)
             timings[name].per_token.append(per_token)
+    for name, (timing, generated) in _tp2_sides(kind, dtype_name, batch, args).items():
+        timings[name], tokens[name] = timing, generated
     print(f"\n{kind} {dtype_name} batch {batch}: prompt {args.prompt}, {args.new} new tokens, {args.rounds} rounds")
     print(f"{'side':<8}{'ttft ms':>10}{'prefill tok/s':>15}{'decode ms/tok':>15}{'decode tok/s':>14}"
           f"{'decode x hf':>13}{'prefill x hf':>14}  tokens")
@@ -154,7 +206,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", nargs="+", default=["gpt2", "llama"])
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=sorted(DTYPES))
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 4])
-    parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=list(SIDES))
+    parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=[*SIDES, *TP2_SIDES],
+                        help=f"single-process sides (default: all) and the tp=2 sides {TP2_SIDES} (2 ranks)")
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
