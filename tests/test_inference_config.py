@@ -176,6 +176,10 @@ def test_int8_settings() -> None:
 
 
 def test_zero_and_checkpoint_settings() -> None:
+    with pytest.raises(ConfigError, match="dtype: torch.int8 with zero.stage 3: int8 weights are buffers"):
+        settings(dtype="int8", zero={"stage": 3})
+    with pytest.raises(ConfigError, match="zero.stage 3 with tensor_parallel.tp_size 2: ZeRO-Inference shards"):
+        settings(zero={"stage": 3}, tensor_parallel={"tp_size": 2})
     assert settings().zero is None and settings(zero={"stage": 0}).zero is None
     assert settings(zero={"stage": 3, "offload_param": {"device": "cpu"}}).zero.stage == 3  # type: ignore[union-attr]
     with pytest.raises(ConfigError) as info:

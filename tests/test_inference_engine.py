@@ -115,6 +115,18 @@ def test_kernel_inject_generates_hf_tokens_and_composes_with_int8(kind: str) -> 
     assert quantized.generate(PROMPT, max_new_tokens=16, do_sample=False).shape == want.shape
 
 
+def test_kernel_inject_with_zero_inference_gives_hf_tokens() -> None:
+    """The fused decoder's weights streamed by ZeRO-Inference (the injection runs first, then the placement)."""
+    reference = _model("llama").eval()
+    engine = init_inference(_model("llama"), dtype=torch.float32, replace_with_kernel_inject=True, max_out_tokens=32,
+                            zero={"stage": 3, "offload_param": {"device": "cpu"},
+                                  "stage3_param_persistence_threshold": 0})
+    assert [t.name for t in engine.transforms][-2:] == ["kernel_inject", "zero_inference"]
+    want = reference.generate(PROMPT, max_new_tokens=8, do_sample=False)
+    assert torch.equal(engine.generate(PROMPT, max_new_tokens=8, do_sample=False), want)
+    engine.destroy()
+
+
 def test_max_out_tokens_and_refusals() -> None:
     engine = init_inference(_model(), dtype=torch.float32, max_tokens=3)
     with pytest.raises(RuntimeError) as info:

@@ -75,10 +75,18 @@ def resolve_settings(config: DeepSpeedInferenceConfig, *, device_type: str,
         raise ConfigError(f"dtype: {compute} is not supported by the {device_type} accelerator here (it supports "
                           f"{names}); choose one of those")
     tp_size, tp_group, mpu = _tp(config)
+    zero = _zero(config.zero)
+    if int8 is not None and zero is not None:
+        raise ConfigError("dtype: torch.int8 with zero.stage 3: int8 weights are buffers that ZeRO-Inference does not "
+                          "stream, so they would all stay in memory; use int8 (a quarter of the fp32 bytes) or "
+                          "ZeRO-Inference (weights in CPU memory or on NVMe), not both")
+    if zero is not None and tp_size > 1:
+        raise ConfigError(f"zero.stage 3 with tensor_parallel.tp_size {tp_size}: ZeRO-Inference shards the weights "
+                          f"over every rank itself; leave tp_size at 1 (or leave zero out for tensor-parallel serving)")
     return InferenceSettings(
         compute_dtype=compute, tp_size=tp_size, tp_group=tp_group, mpu=mpu,
         injection_policy=config.injection_policy, kernel_inject=config.replace_with_kernel_inject, int8=int8,
-        zero=_zero(config.zero), checkpoint=_checkpoint(config), keep_module_on_host=config.keep_module_on_host,
+        zero=zero, checkpoint=_checkpoint(config), keep_module_on_host=config.keep_module_on_host,
         max_out_tokens=config.max_out_tokens, min_out_tokens=config.min_out_tokens)
 
 
