@@ -30,3 +30,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             spawning[path] = any(name in source for name in _SPAWNING_NAMES)
         if spawning[path]:
             item.add_marker(pytest.mark.spawns)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_process_group():
+    """A test that starts the default process group in the pytest process (``initialize`` or
+    ``init_inference`` run in-process start a 1-rank group) must not leave it to the next test:
+    code that reads the world size (``PipelineModule``, the mesh) would see 1 instead of no group."""
+    import os
+
+    import torch.distributed as dist
+
+    had_group = dist.is_available() and dist.is_initialized()
+    environ = dict(os.environ)
+    yield
+    if not had_group and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)

@@ -67,7 +67,8 @@ MOE = ("--moe", "--ep-world-size", "2", "--num-experts", "2", "--top-k", "1", "-
 
 
 @pytest.mark.parametrize(("stage", "dtype", "launcher", "extra"), [
-    *((stage, dtype, "zerospeed", ()) for stage in (0, 1, 2, 3) for dtype in ("fp32", "bf16")),
+    *((stage, "fp32", "zerospeed", ()) for stage in (0, 1, 2, 3)),
+    *((stage, "bf16", "zerospeed", ()) for stage in (1, 3)),  # bf16 through the replicated and sharded masters
     (2, "fp32", "torchrun", ()),  # the environment switch needs no zerospeed launcher
     (2, "fp32", "zerospeed", MOE),  # DeepSpeed's MoE layer with expert parallelism, under ZeRO-2
 ], ids=lambda v: "moe" if v == MOE else None)
