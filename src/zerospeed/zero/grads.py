@@ -80,6 +80,14 @@ class GradBuckets:
         self.reducer.restart_pass()  # a further reducing backward would launch again
         self._window_done = True
 
+    def finish_locally(self) -> None:
+        """End the window without averaging: each rank keeps its own accumulated gradients (the
+        optimizer exchanges what it needs itself, e.g. 1-bit Adam's compressed momentum)."""
+        if self._window_done:
+            return
+        self.reducer.settle_locally()
+        self._window_done = True
+
     def _relay(self) -> None:
         """Lay the buckets out in the order gradients actually arrived (rank 0's, so every rank
         launches the same collectives in the same order); parameters that got no gradient go last.

@@ -406,6 +406,23 @@ class GradReducer:
         finished = set(done)
         return done + [b for b in self.order if b not in finished]
 
+    def settle_locally(self) -> None:
+        """End the pass with every bucket holding this rank's own accumulated gradients, unreduced
+        (an optimizer exchanging by itself): unwritten slots and padding become zero, as a launch
+        would make them, and nothing is sent."""
+        assert not self._in_flight, "a local window launches nothing"
+        for bucket in self.buckets:
+            if bucket.state is not BucketState.ACCUMULATING:
+                continue
+            acc = self._ensure_acc(bucket)
+            for slot, s in enumerate(bucket.slots):
+                if not bucket.written[slot]:
+                    acc[s.offset: s.end].zero_()
+                    bucket.written[slot] = True
+            if bucket.used < bucket.numel:
+                acc[bucket.used:].zero_()
+        self.restart_pass()
+
     def new_window(self) -> None:
         """Start an accumulation window: every slot is overwritten by its first gradient again."""
         while self._in_flight:  # only after an error mid-backward
