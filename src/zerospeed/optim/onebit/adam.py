@@ -48,7 +48,7 @@ class OnebitAdam(OneBitOptimizer):
         return not self.frozen
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():

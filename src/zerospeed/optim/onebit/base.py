@@ -153,7 +153,7 @@ class OneBitOptimizer(Optimizer):
                 raise ValueError(f"{type(self).__name__}: parameter group {index}'s compression buffers are "
                                  f"missing from some saved ranks")
             device = self.param_groups[index]["params"][0].device
-            self._momenta[index] = CompressedMomentum.restored(groups, rank, world_size, device)  # type: ignore[arg-type]
+            self._momenta[index] = CompressedMomentum.restored(groups, rank, world_size, device)
         self._load_rank_extra(saved[rank] if len(saved) == world_size else saved[0])
         self.sync_phase()
 
