@@ -227,3 +227,30 @@ def test_constructor_refusals() -> None:
         OnebitAdam(params, freeze_step=0)
     with pytest.raises(RuntimeError, match="no data-parallel group"):
         OnebitAdam(params).comm
+
+
+def _overflow_case() -> dict[str, Any]:
+    engine, opt = _engine(2, fp16={"enabled": True, "initial_scale_power": 8, "hysteresis": 1}, gradient_clipping=0.5)
+    rank = engine.comm.rank
+    out: dict[str, Any] = {"skipped": [], "moved": [], "scale": []}
+    for step in range(6):
+        before = [p.detach().clone() for p in engine.module.parameters()]
+        x, y = seeded_regression_batch(step, rank, rows=ROWS, inputs=IN, outputs=OUT)
+        loss = nn.functional.mse_loss(engine(x).float(), y)
+        if step == 4 and rank == 1:  # only one rank overflows, in the compressed phase
+            loss = loss * float("inf")
+        engine.backward(loss)
+        engine.step()
+        out["skipped"].append(engine.skipped_steps)
+        out["moved"].append(any(not torch.equal(a, b) for a, b in zip(before, engine.module.parameters())))
+        out["scale"].append(engine.cur_scale)
+    return out
+
+
+def test_an_overflow_on_one_rank_in_the_compressed_phase_skips_the_step_everywhere() -> None:
+    results = run_distributed(_overflow_case, 2)
+    assert results[0] == results[1]
+    r = results[0]
+    assert r["skipped"] == [0, 0, 0, 0, 1, 1]
+    assert r["moved"] == [False, True, True, True, False, True]  # the set-up step and the skipped one
+    assert r["scale"][4] == r["scale"][3] / 2
