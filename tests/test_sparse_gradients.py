@@ -220,13 +220,61 @@ def test_tables_get_buckets_of_their_own() -> None:
     assert plan_buckets([1, 1, 1], 5) == [[0, 1, 2]]
 
 
+class EmbeddingMoE(nn.Module):
+    """An embedding feeding a mixture of experts (expert parallelism 2): the table is a dense parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from zerospeed.moe.layer import MoE
+
+        torch.manual_seed(3)
+        self.emb = nn.Embedding(VOCAB, DIM)
+        expert = nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.GELU(), nn.Linear(2 * DIM, DIM))
+        self.moe = MoE(DIM, expert, num_experts=2, ep_size=2, k=1, drop_tokens=False)
+        self.head = nn.Linear(DIM, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h, l_aux, _ = self.moe(self.emb(ids).reshape(-1, DIM))
+        return self.head(h).square().mean() + 0.01 * l_aux
+
+
+def _train_moe(sparse: bool) -> dict[str, Any]:
+    rank = torch.distributed.get_rank()
+    engine, *_ = zerospeed.initialize(model=EmbeddingMoE(), config=_config(2, sparse, {}))
+    grads = []
+    for step in range(3):
+        for m in range(2):
+            engine.backward(engine(_batch(step, m, rank)["ids"]))
+            if m == 1:
+                grads.append(_plain(safe_get_full_grad(engine.module.emb.weight)))
+            engine.step()
+    return {"grads": grads, "params": {n: _plain(p.detach()) for n, p in engine.module.named_parameters()},
+            "all_gather": engine.comm.stats.calls["all_gather"]}
+
+
+def _moe_both() -> dict[str, Any]:
+    return {"sparse": _train_moe(True), "dense": _train_moe(False)}
+
+
+def test_an_embedding_beside_experts_equals_the_dense_exchange() -> None:
+    """Two ranks: the dense all-reduce adds the two ranks' rows as the exchange does (a + b), exactly,
+    whatever the values; experts keep their own (expert-data-parallel) state and exchange."""
+    for result in run_distributed(_moe_both, 2):
+        sparse, dense = result["sparse"], result["dense"]
+        assert sparse["all_gather"] > dense["all_gather"]  # the table went as rows
+        for got, expected in zip(sparse["grads"], dense["grads"], strict=True):
+            assert (got == expected).all() and (got != 0).any()
+        assert sparse["params"].keys() == dense["params"].keys()
+        for name, value in sparse["params"].items():
+            assert (value == dense["params"][name]).all(), name
+
+
 def test_model_parallel_setups_are_refused_by_name() -> None:
     with pytest.raises(ConfigError) as caught:
-        refuse_unsupported(stage=2, pipeline=True, tp=2, experts=True)
+        refuse_unsupported(stage=2, pipeline=True, tp=2)
     problems = caught.value.problems
-    assert len(problems) == 4 and "zero_optimization.stage=2" in problems[0]
+    assert len(problems) == 3 and "zero_optimization.stage=2" in problems[0]
     assert problems[1].startswith("sparse_gradients: true is not supported with a PipelineModule")
     assert problems[2].startswith("sparse_gradients: true is not supported with tensor parallelism (tp size 2)")
-    assert problems[3].startswith("sparse_gradients: true is not supported for a model with MoE layers")
     assert all(p.endswith("sparse_gradients to false") for p in problems)
-    refuse_unsupported(stage=0, pipeline=False, tp=1, experts=False)
+    refuse_unsupported(stage=0, pipeline=False, tp=1)

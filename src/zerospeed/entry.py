@@ -115,7 +115,7 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     zero = ZeroPolicy.from_config(cfg.zero_optimization)
     training = TrainingPolicy.from_config(cfg)
     if cfg.sparse_gradients:
-        refuse_sparse(stage=zero.stage, pipeline=pipeline is not None, tp=dims.tp, experts=moe_setup.has_experts(model))
+        refuse_sparse(stage=zero.stage, pipeline=pipeline is not None, tp=dims.tp)
     schedule: tuple[str, int] | None = None
     if pipeline is not None:
         pipe_setup.check_stage(pipeline, mesh)

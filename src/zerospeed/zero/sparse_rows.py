@@ -33,8 +33,9 @@ from zerospeed.distributed.comm import Comm, Handle
 LOOKUPS = (nn.Embedding, nn.EmbeddingBag)
 
 
-def refuse_unsupported(*, stage: int, pipeline: bool, tp: int, experts: bool) -> None:
-    """Refuse, by key, the setups where rows are not exchanged correctly (checked at ``initialize``)."""
+def refuse_unsupported(*, stage: int, pipeline: bool, tp: int) -> None:
+    """Refuse, by key, the setups where rows are not exchanged (checked at ``initialize``). A model with
+    experts is fine: its dense state (over data parallelism) holds the tables, the experts' state none."""
     problems = []
     if stage != 0:
         problems.append(f"sparse_gradients: true needs zero_optimization.stage 0, got zero_optimization.stage="
@@ -46,9 +47,6 @@ def refuse_unsupported(*, stage: int, pipeline: bool, tp: int, experts: bool) ->
     if tp > 1:
         problems.append(f"sparse_gradients: true is not supported with tensor parallelism (tp size {tp}); "
                         f"set sparse_gradients to false")
-    if experts:
-        problems.append("sparse_gradients: true is not supported for a model with MoE layers (expert "
-                        "parallelism); set sparse_gradients to false")
     if problems:
         raise ConfigError(problems)
 
