@@ -21,6 +21,7 @@ from zerospeed.zero.contract import CheckpointGroups, ParamOwner
 from zerospeed.zero.grads import GradBuckets, ReductionPolicy
 from zerospeed.zero.memory import storage_bytes
 from zerospeed.zero.owner import clear_owner, set_owner
+from zerospeed.zero.sparse_rows import SparseRows
 from zerospeed.zero.step_grads import NormScope, StepGrads
 
 
@@ -31,11 +32,12 @@ class ReplicatedState:
 
     def __init__(self, model: nn.Module, comm: Comm, *, master_dtype: torch.dtype, accum_dtype: torch.dtype,
                  bucket_elems: int, reduction: ReductionPolicy, norm: NormScope = NormScope(),
-                 owns: Callable[[nn.Parameter], bool] | None = None):
+                 owns: Callable[[nn.Parameter], bool] | None = None, rows: SparseRows | None = None):
         """``norm``: how the global gradient norm counts parameters when the model is split beyond data
         parallelism (after the all-reduce every data-parallel rank holds the same averaged gradients).
         ``owns``: which of the model's parameters this state keeps (default all; a :class:`SplitState`
-        gives expert parameters to a state over their own replica group)."""
+        gives expert parameters to a state over their own replica group). ``rows``: lookup tables
+        whose gradients are exchanged as the rows each window touched (``sparse_gradients``)."""
         self.module = model
         self.comm = comm
         self.norm = norm
@@ -46,7 +48,7 @@ class ReplicatedState:
         else:
             self.master_params = self.model_params
         self.buckets = GradBuckets(self.model_params, comm, bucket_elems=bucket_elems, accum_dtype=accum_dtype,
-                                   policy=reduction)
+                                   policy=reduction, rows=rows)
         self.optimizer: torch.optim.Optimizer | None = None
         self._exchange: ExchangingOptimizer | None = None  # an optimizer averaging by itself after warm-up
         for i, p in enumerate(self.model_params):
