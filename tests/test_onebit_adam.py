@@ -138,26 +138,30 @@ def test_onebit_adam_follows_deepspeeds_algorithm_exactly(world: int, accum: int
         assert r["same_grads"] == [True] * freeze + [False] * (steps - freeze)
 
 
-def _bytes_case(freeze_step: int) -> dict[str, int]:
+def _bytes_case(freeze_step: int) -> dict[str, Any]:
     engine, opt = _engine(freeze_step, hidden=2048)
-    numel = sum(p.numel() for p in engine.module.parameters())
-    out = {}
+    out: dict[str, Any] = {"numel": sum(p.numel() for p in engine.module.parameters()), "steps": []}
     for step in range(freeze_step + 2):
-        before = engine.comm.stats.sent.copy()
         _train(engine, 1, 1, start=step)
-        after = engine.comm.stats.sent
-        out[f"step{step}"] = sum(after.values()) - sum(before.values())
-    out["numel"] = numel
+        out["steps"].append(engine.comm_bytes()["step"])
     return out
 
 
 def test_compressed_steps_send_a_twentieth_of_the_all_reduce() -> None:
+    """Bytes sent per step (``engine.comm_bytes()``), 2 ranks: the warm-up's fp32 all-reduce (a ring sends
+    2(W-1)/W of the buffer), then after the freeze the packed signs with their scales and one overflow flag."""
     r = run_distributed(_bytes_case, 2, 2)[0]
-    dense = r["numel"] * 4
-    assert r["step0"] >= dense and r["step1"] >= dense  # warm-up: the fp32 gradient all-reduce
-    # after the freeze: packed signs, a few scales and one overflow flag
-    assert r["step3"] <= dense / 20, r
-
+    numel, steps = r["numel"], r["steps"]
+    dense = numel * 4  # 2 (W - 1) / W = 1 at W = 2
+    padded = padded_length(numel, 2)
+    assert steps[0]["dp.all_reduce"] == dense  # (the first window also agrees on the bucket order)
+    assert steps[1] == {"dp.all_reduce": dense}
+    # phase 1: the other rank's half of the signs + its scale; phase 2: this rank's chunk of signs + scale
+    compressed = {"dp.all_to_all": padded // 8 // 2 + 4, "dp.all_gather": padded // 8 // 2 + 4,
+                  "dp.all_reduce": 8}  # the overflow flag (float64)
+    for late in steps[3:]:
+        assert late == compressed
+        assert sum(late.values()) <= dense / 20
 
 def _plain(value: Any) -> Any:
     """Tensors as numpy arrays: a rank's result crosses a pipe after the rank has exited."""
