@@ -236,6 +236,7 @@ def load_checkpoint(engine: CheckpointedEngine, load_dir: str, tag: Any = None, 
         small = _load_groups(engine, topo, ckpt, names, load_module_strict, with_optimizer, allow_unsafe_pickle)
         if with_optimizer and isinstance(engine.optimizer, RankLocalState):
             _restore_rank_local(engine.optimizer, topo, ckpt, allow_unsafe_pickle)
+            _refresh_after_rank_local(engine)
     if load_module_only:
         return path, small.engine.get("client_state")
     _load_scaler(engine, manifest["loss_scaler"])
@@ -457,6 +458,15 @@ def _restore_rank_local(optimizer: RankLocalState, topo: CheckpointTopology, ckp
                                  allow_unsafe_pickle=allow_unsafe_pickle) or {}
         saved.append(state.get("optimizer") or {})
     optimizer.load_rank_states(saved, topo.comm.rank, topo.comm.world_size)
+
+
+def _refresh_after_rank_local(engine: CheckpointedEngine) -> None:
+    """A rank-local restore may have given this rank its own masters (0/1 Adam's local steps leave
+    each rank's parameters its own): copy them into the model again."""
+    state = engine.state
+    for group in state.checkpoint_groups().groups:
+        with state.resident_state(group, write_back=True):
+            state.after_checkpoint_load(units=group)
 
 
 def _load_scaler(engine: CheckpointedEngine, saved: dict[str, Any]) -> None:

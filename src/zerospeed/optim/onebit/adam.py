@@ -101,17 +101,6 @@ class OnebitAdam(OneBitOptimizer):
             self.frozen = True
         return loss
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """DeepSpeed's rule: the checkpoint's step decides warm-up or compression; the user's
-        ``exp_avg_mask`` (not the saved one) stays."""
-        masks = [group.get("exp_avg_mask") for group in self.param_groups]
-        super().load_state_dict(state_dict)
-        for group, mask in zip(self.param_groups, masks):
-            group.pop("exp_avg_mask", None)
-            if mask is not None:
-                group["exp_avg_mask"] = mask
-        self.sync_phase()
-
     def sync_phase(self) -> None:
         """Warm-up or compression from the saved step counts (after any state restore)."""
         steps = [s["step"] for s in self.state.values() if "step" in s]

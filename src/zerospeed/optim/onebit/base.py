@@ -32,7 +32,8 @@ def padded_length(numel: int, world: int) -> int:
 
 class CompressedMomentum:
     """One parameter group's error-feedback buffers: the worker error over the padded length and
-    this rank's server error over its chunk (zeros when compression starts)."""
+    this rank's server error over its chunk (zeros when compression starts), and the padding's
+    values (1-bit LAMB's fused buffer keeps the last result there; others pad with zeros)."""
 
     def __init__(self, numel: int, world: int, device: torch.device):
         self.numel = numel
@@ -40,9 +41,12 @@ class CompressedMomentum:
         self.padded = padded_length(numel, world)
         self.worker_error = torch.zeros(self.padded, dtype=torch.float32, device=device)
         self.server_error = torch.zeros(self.padded // world, dtype=torch.float32, device=device)
+        self.padding = torch.zeros(self.padded - numel, dtype=torch.float32, device=device)
 
-    def exchange(self, comm: Comm, tensors: Sequence[torch.Tensor]) -> None:
-        """Replace ``tensors`` (this rank's momenta, fp32) by their compressed average over ``comm``."""
+    def exchange(self, comm: Comm, tensors: Sequence[torch.Tensor], carry_padding: bool = False) -> None:
+        """Replace ``tensors`` (this rank's momenta, fp32) by their compressed average over ``comm``.
+        ``carry_padding``: the padding enters with the previous exchange's result in it, as in
+        DeepSpeed's persistent fused buffer (1-bit LAMB), instead of zeros."""
         from zerospeed.distributed.compressed import compressed_allreduce
 
         buffer = torch.zeros(self.padded, dtype=torch.float32, device=self.worker_error.device)
@@ -51,7 +55,11 @@ class CompressedMomentum:
             buffer[offset: offset + t.numel()].copy_(t.reshape(-1))
             offset += t.numel()
         assert offset == self.numel, "the group's momenta are laid out as at the start"
+        if carry_padding:
+            buffer[self.numel:].copy_(self.padding)
         compressed_allreduce(comm, buffer, self.worker_error, self.server_error)
+        if carry_padding:
+            self.padding.copy_(buffer[self.numel:])
         offset = 0
         for t in tensors:
             t.copy_(buffer[offset: offset + t.numel()].view_as(t))
@@ -59,7 +67,7 @@ class CompressedMomentum:
 
     def saved(self) -> dict[str, Any]:
         return {"numel": self.numel, "world": self.world, "worker_error": self.worker_error.clone(),
-                "server_error": self.server_error.clone()}
+                "server_error": self.server_error.clone(), "padding": self.padding.clone()}
 
     @classmethod
     def restored(cls, saved: list[dict[str, Any]], rank: int, world: int,
@@ -75,7 +83,9 @@ class CompressedMomentum:
         if len(saved) == world and int(saved[rank]["world"]) == world:
             out.worker_error.copy_(saved[rank]["worker_error"])
             out.server_error.copy_(saved[rank]["server_error"])
-            return out
+            if "padding" in saved[rank]:
+                out.padding.copy_(saved[rank]["padding"])
+            return out  # (another world pads to another length: the padding restarts at zero)
         mean = torch.stack([s["worker_error"][:numel].float() for s in saved]).mean(0)
         out.worker_error[:numel].copy_(mean)
         servers = torch.cat([s["server_error"].float() for s in saved])[:numel]
@@ -155,6 +165,17 @@ class OneBitOptimizer(Optimizer):
             device = self.param_groups[index]["params"][0].device
             self._momenta[index] = CompressedMomentum.restored(groups, rank, world_size, device)
         self._load_rank_extra(saved[rank] if len(saved) == world_size else saved[0])
+        self.sync_phase()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """DeepSpeed's rule: the checkpoint's state decides the phase; the user's ``exp_avg_mask``
+        (not the saved one) stays, since it may change between stages of a training."""
+        masks = [group.get("exp_avg_mask") for group in self.param_groups]
+        super().load_state_dict(state_dict)
+        for group, mask in zip(self.param_groups, masks):
+            group.pop("exp_avg_mask", None)
+            if mask is not None:
+                group["exp_avg_mask"] = mask
         self.sync_phase()
 
     def sync_phase(self) -> None:
