@@ -252,6 +252,9 @@ def worker(spec_path: str, out_path: str) -> None:
             sides[name] = make_side(name, spec)
         except SideUnavailable as exc:  # refused alike on both ranks, before any collective of its own
             results[name] = {"status": "unavailable", "reason": str(exc)}
+        except Exception as exc:  # e.g. a config the new optimizer refuses: reported, the other sides still run
+            traceback.print_exc()
+            results[name] = {"status": "error", "reason": f"build: {type(exc).__name__}: {exc}".splitlines()[0][:300]}
         dist.barrier()
     results.update(train_all(sides, spec, bigram_table(spec), rank))
     if rank == 0:
