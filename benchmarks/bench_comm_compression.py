@@ -95,7 +95,7 @@ def build_model(spec: dict) -> nn.Module:
 
 
 def adam_params(spec: dict) -> dict:
-    return {"lr": spec["lr"], "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
+    return {"lr": spec["lr"], "betas": [0.9, spec["beta2"]], "eps": 1e-8, "weight_decay": 0.0}
 
 
 def zerospeed_config(side: str, spec: dict) -> dict:
@@ -334,6 +334,9 @@ def main() -> None:
     parser.add_argument("--active-tokens", type=int, default=16,
                         help="token ids the synthetic data uses (of --vocab): small, so the loss falls in a short run")
     parser.add_argument("--lr", type=float, default=1e-3)
+    # GPT training's usual beta2 (GPT-3, Megatron). The 1-bit optimizers have no bias correction and freeze the
+    # variance after the warm-up: with 0.999 and 10 warm-up steps it would freeze at 1% of its value.
+    parser.add_argument("--beta2", type=float, default=0.95)
     parser.add_argument("--clip", type=float, default=1.0,
                         help="gradient clipping by global norm on every side (zerospeed's and DeepSpeed's default "
                              "1.0; 0: none). Unclipped, this model stalls near ln(active) within the run")
@@ -345,7 +348,7 @@ def main() -> None:
         worker(*args.worker)
         return
     spec = {"vocab": args.vocab, "width": args.width, "layers": args.layers, "seq": args.seq, "batch": args.batch,
-            "lr": args.lr, "clip": args.clip, "active": args.active_tokens, "warmup": args.warmup,
+            "lr": args.lr, "beta2": args.beta2, "clip": args.clip, "active": args.active_tokens, "warmup": args.warmup,
             "steps": args.steps, "powersgd_rank": args.powersgd_rank,
             "sides": [s for s in args.sides.split(",") if s], "timeout": 300}
     if args.quick:
@@ -369,7 +372,7 @@ def main() -> None:
           f"{spec['batch']}x{spec['seq']} tokens/rank "
           f"(bigram data over {spec['active']} token ids); "
           f"2 gloo ranks x 1 thread in 2 network namespaces; torch {torch.__version__}")
-    print(f"Adam lr {spec['lr']} betas (0.9, 0.999), fp32, clipping {spec['clip']:g}; {spec['warmup']} warm-up "
+    print(f"Adam lr {spec['lr']} betas (0.9, {spec['beta2']}), fp32, clipping {spec['clip']:g}; {spec['warmup']} warm-up "
           f"steps "
           f"(OneBitAdam freeze_step, ZeroOneAdam var_freeze_step, PowerSGD start_powerSGD_iter), then "
           f"{spec['steps']} timed steps; PowerSGD rank {spec['powersgd_rank']}; ZeroOneAdam var_update_scaler "

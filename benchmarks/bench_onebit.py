@@ -38,9 +38,11 @@ def side_configs(freeze: int, lr: float, beta2: float) -> dict[str, dict[str, An
     return {
         "Adam": {"type": "Adam", "params": adam},
         "OneBitAdam": {"type": "OneBitAdam", "params": {**adam, "freeze_step": freeze}},
+        # the variance updated every step until the freeze (var_update_scaler > freeze), then local steps:
+        # the ranks meet every 1, 2, then 4 steps (the interval doubles every 32 steps up to the clipper)
         "ZeroOneAdam": {"type": "ZeroOneAdam", "params": {**adam, "var_freeze_step": freeze,
-                                                          "var_update_scaler": 16, "local_step_scaler": 1000,
-                                                          "local_step_clipper": 16}},
+                                                          "var_update_scaler": freeze + 4, "local_step_scaler": 32,
+                                                          "local_step_clipper": 4}},
         "Lamb": {"type": "Lamb", "params": adam},
         "OneBitLamb": {"type": "OneBitLamb", "params": {**adam, "freeze_step": freeze}},
     }

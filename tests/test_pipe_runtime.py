@@ -65,7 +65,8 @@ class TimedLayer(nn.Module):
         return _SleepInput.apply(x, forward_s, input_s) + _SleepWeight.apply(self.w, weight_s)
 
 
-STAGE_COST = 0.06  # seconds per stage per micro-batch for each of F, B and W
+STAGE_COST = 0.1  # seconds per stage per micro-batch for each of F, B and W (large against the per-instruction
+# overhead, which a loaded machine inflates)
 
 
 def _timed(schedule: str, micro_batches: int) -> dict:
