@@ -51,6 +51,7 @@ PATHS = {
     "deepspeed.runtime.dataloader": {"RepeatingLoader": "zerospeed.data.loader.RepeatingLoader"},
     "deepspeed.runtime.utils": {"see_memory_usage": None, "set_random_seed": None, "move_to_device": None},
     "deepspeed.runtime.base_optimizer": {"DeepSpeedOptimizer": None},
+    "deepspeed.runtime.progressive_layer_drop": {"ProgressiveLayerDrop": None},
     "deepspeed.checkpointing": {"checkpoint": "zerospeed.checkpointing.checkpoint", "configure": "zerospeed.checkpointing.configure"},
     "deepspeed.checkpoint.utils": {"clone_tensors_for_torch_save": None},
     "deepspeed.zero": {"Init": "zerospeed.zero.init.Init", "GatheredParameters": "zerospeed.zero.init.GatheredParameters",
