@@ -134,7 +134,7 @@ def test_optimizer_params_accept_auto() -> None:
 def test_onebit_optimizers_refuse_zero() -> None:
     assert problems({"optimizer": {"type": "OneBitLamb"}, "zero_optimization": {"stage": 1}}) == (
         'optimizer.type: "OneBitLamb" cannot be combined with ZeRO (zero_optimization.stage '
-        "is 1)",)
+        "is 1): it exchanges the whole momentum itself; use zero_optimization.stage 0",)
 
 
 def test_every_deepspeed_optimizer_declares_lr() -> None:

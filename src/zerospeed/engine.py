@@ -24,7 +24,7 @@ from torch import nn
 from zerospeed.config import Config
 from zerospeed.config.policies import TrainingPolicy
 from zerospeed.data.loader import DistributedLoader
-from zerospeed.distributed.comm import Comm
+from zerospeed.distributed.comm import Comm, CommCounts
 from zerospeed.distributed.mesh import Mesh
 from zerospeed.engine_api import DeepSpeedEngineAPI
 from zerospeed.layer_drop import LayerDropSchedule
@@ -101,6 +101,9 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self.training_dataloader = training_dataloader  # its position is saved in checkpoints
         # progressive_layer_drop: theta(t) as a function of global_steps (None: the forward is left alone)
         self.layer_drop = layer_drop
+        # Bytes sent per collective, measured window by window (comm_bytes()).
+        self._comm_marks = self._comm_counts()
+        self._window_sent: dict[str, int] = {}
         # Names this engine's checkpoint handshakes in the ranks' store (one collective, at start).
         self.checkpoint_id: str = comm.all_gather_object(uuid.uuid4().hex)[0]
         self._checkpoint_calls = 0
@@ -253,6 +256,22 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
     def _finish_window(self) -> None:
         self.state.zero()
         self._window_open = False
+        now = self._comm_counts()
+        self._window_sent = {f"{axis}.{op}": n for axis, counts in now.items()
+                             for op, n in (counts - self._comm_marks[axis]).sent.items()}
+        self._comm_marks = now
+
+    def _comm_counts(self) -> dict[str, CommCounts]:
+        return {axis: comm.stats.snapshot() for axis, comm in self.mesh.comms.items()}
+
+    def comm_bytes(self) -> dict[str, Any]:
+        """Bytes this rank sent on the wire (``Comm.stats.sent``), per collective as ``"<axis>.<op>"``:
+        ``step`` over the last accumulation window (its backward reductions, its optimizer step and
+        anything else since the window before), ``total`` since the mesh's Comms were made (the start-up
+        broadcasts included); ``step_total`` and ``total_sent`` sum them. Shows what a compressed optimizer or sparse gradients save."""
+        total = {f"{axis}.{op}": n for axis, comm in self.mesh.comms.items() for op, n in comm.stats.sent.items() if n}
+        return {"step": dict(self._window_sent), "step_total": sum(self._window_sent.values()),
+                "total": total, "total_sent": sum(total.values())}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop accumulated gradients (``step`` already does this at each boundary)."""

@@ -13,6 +13,9 @@ from typing import Any, Callable, Mapping, NoReturn
 
 _REDUCES_ITSELF = ("the engine reduces gradients itself during engine.backward(loss) (bucketed, overlapped "
                    "with backward); use engine.backward(loss) and engine.step()")
+_SPARSE = ("with \"sparse_gradients\": true (ZeRO stage 0) the engine itself exchanges Embedding/EmbeddingBag "
+           "gradients as the rows each accumulation window touched, during engine.backward(loss); set that "
+           "config key and use engine.backward(loss) and engine.step()")
 _DEEPCOMPILE = ("DeepCompile is not part of zerospeed; use torch.compile on your own submodules "
                 "(e.g. model.layer = torch.compile(model.layer) before zerospeed.initialize)")
 _AUTOTUNING = ("autotuning is not part of zerospeed (engine.autotuning_enabled() is always False); use "
@@ -31,10 +34,10 @@ REFUSED: Mapping[str, str] = MappingProxyType({
     "allreduce_gradients": _REDUCES_ITSELF,
     "allreduce_no_retain": _REDUCES_ITSELF,
     "buffered_allreduce_fallback": _REDUCES_ITSELF,
-    "sparse_all_gather": "sparse gradients are not supported (" + _REDUCES_ITSELF + ", densely)",
-    "sparse_allreduce": "sparse gradients are not supported (" + _REDUCES_ITSELF + ", densely)",
-    "sparse_allreduce_bucket": "sparse gradients are not supported (" + _REDUCES_ITSELF + ", densely)",
-    "sparse_allreduce_no_retain": "sparse gradients are not supported (" + _REDUCES_ITSELF + ", densely)",
+    "sparse_all_gather": _SPARSE,
+    "sparse_allreduce": _SPARSE,
+    "sparse_allreduce_bucket": _SPARSE,
+    "sparse_allreduce_no_retain": _SPARSE,
     "coalesce_grad_reduction": ("zerospeed already reduces once per accumulation window at stages 0-1 (at its "
                                 "last micro-batch) and reduce-scatters each micro-batch into shards at stages "
                                 "2-3; use engine.backward(loss) per micro-batch and engine.step()"),

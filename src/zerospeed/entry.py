@@ -31,6 +31,8 @@ from zerospeed.zero.grads import ReductionPolicy
 from zerospeed.zero.optimizer import check_supported
 from zerospeed.zero.owner import clear_owner, engine_owner, init_partition
 from zerospeed.zero.replicated import ReplicatedState
+from zerospeed.zero.sparse_rows import SparseRows
+from zerospeed.zero.sparse_rows import refuse_unsupported as refuse_sparse
 from zerospeed.zero.step_grads import NormScope
 
 log = logging.getLogger("zerospeed")
@@ -48,7 +50,7 @@ IMPLEMENTED = frozenset({
     "zero_optimization.offload_optimizer.pipeline_write", "zero_optimization.offload_optimizer.fast_init",
     "activation_checkpointing.cpu_checkpointing", "activation_checkpointing.contiguous_memory_optimization",
     "activation_checkpointing.synchronize_checkpoint_boundary", "activation_checkpointing.profile",
-    "wall_clock_breakdown", "progressive_layer_drop",
+    "wall_clock_breakdown", "sparse_gradients", "progressive_layer_drop",
     # save_16bit_model / _zero3_consolidated_16bit_state_dict always gather the stage-3 shards.
     "zero_optimization.stage3_gather_16bit_weights_on_model_save",
 })
@@ -114,6 +116,8 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     policy = policy_from_config(cfg)
     zero = ZeroPolicy.from_config(cfg.zero_optimization)
     training = TrainingPolicy.from_config(cfg)
+    if cfg.sparse_gradients:
+        refuse_sparse(stage=zero.stage, pipeline=pipeline is not None, tp=dims.tp)
     schedule: tuple[str, int] | None = None
     if pipeline is not None:
         pipe_setup.check_stage(pipeline, mesh)
@@ -326,7 +330,8 @@ def _model_state(model: nn.Module, cfg: Config, comm: Comm, policy: MixedPrecisi
                 p.data = partition.take_full().to(p.dtype)
                 clear_owner(p)
         return ReplicatedState(model, comm, master_dtype=policy.master_dtype, accum_dtype=policy.grad_accum_dtype,
-                               bucket_elems=zero.reduce_bucket_size, reduction=reduction, norm=norm, owns=owns)
+                               bucket_elems=zero.reduce_bucket_size, reduction=reduction, norm=norm, owns=owns,
+                               rows=SparseRows.of_model(model) if cfg.sparse_gradients else None)
     from zerospeed.offload.store import StateStore
     from zerospeed.zero.eager import StepOverlap
     from zerospeed.zero.sharded import ShardedState

@@ -33,6 +33,7 @@ from zerospeed.checkpoint.state_io import (RankPayload, StreamedPayload, collect
                                            restore_optimizer_states)
 from zerospeed.checkpoint.topology import CheckpointTopology, checkpoint_topology
 from zerospeed.checkpoint.tp_reshard import slots_to_save, to_parts
+from zerospeed.optim.exchange import RankLocalState
 
 if TYPE_CHECKING:
     from zerospeed.checkpoint.contract import CheckpointedEngine
@@ -123,7 +124,8 @@ def _prepare(engine: CheckpointedEngine, topo: CheckpointTopology, sync: RankSyn
                 payload = payload.snapshot()
         else:  # one group resident at a time, written from there
             payload = StreamedPayload(parts)
-        rank_state = serialize({"rng": rng_state(), "loader": _loader_state(engine)})
+        rank_state = serialize({"rng": rng_state(), "loader": _loader_state(engine),
+                                "optimizer": _optimizer_rank_state(engine)})
         engine_state = manifest = None
         if comm.rank == 0:
             scheduler = engine.lr_scheduler
@@ -232,6 +234,9 @@ def load_checkpoint(engine: CheckpointedEngine, load_dir: str, tag: Any = None, 
     with CheckpointSet(path, topo.layout) as ckpt:
         manifest = ckpt.manifest
         small = _load_groups(engine, topo, ckpt, names, load_module_strict, with_optimizer, allow_unsafe_pickle)
+        if with_optimizer and isinstance(engine.optimizer, RankLocalState):
+            _restore_rank_local(engine.optimizer, topo, ckpt, allow_unsafe_pickle)
+            _refresh_after_rank_local(engine)
     if load_module_only:
         return path, small.engine.get("client_state")
     _load_scaler(engine, manifest["loss_scaler"])
@@ -434,6 +439,34 @@ def _restore_loader(engine: CheckpointedEngine, manifest: dict[str, Any], rank_s
     epoch_batches = max(len(loader), 1)
     batches = samples // per_step
     loader.load_state_dict({"epoch": batches // epoch_batches, "batches_in_epoch": batches % epoch_batches})
+
+
+def _optimizer_rank_state(engine: CheckpointedEngine) -> dict[str, Any] | None:
+    """State of the optimizer that differs from rank to rank (1-bit compression errors)."""
+    optimizer = engine.optimizer
+    return optimizer.rank_state() if isinstance(optimizer, RankLocalState) else None
+
+
+def _restore_rank_local(optimizer: RankLocalState, topo: CheckpointTopology, ckpt: CheckpointSet,
+                        allow_unsafe_pickle: bool) -> None:
+    """Hand the optimizer every saved rank's own state: it restores its rank's at the same world
+    size and reshapes them at another (each rank reads all saved ranks' files then)."""
+    saved_world = int(ckpt.manifest["world_size"])
+    saved = []
+    for rank in range(saved_world):
+        state = load_small_state(os.path.join(ckpt.path, layout.rank_state(rank)),
+                                 allow_unsafe_pickle=allow_unsafe_pickle) or {}
+        saved.append(state.get("optimizer") or {})
+    optimizer.load_rank_states(saved, topo.comm.rank, topo.comm.world_size)
+
+
+def _refresh_after_rank_local(engine: CheckpointedEngine) -> None:
+    """A rank-local restore may have given this rank its own masters (0/1 Adam's local steps leave
+    each rank's parameters its own): copy them into the model again."""
+    state = engine.state
+    for group in state.checkpoint_groups().groups:
+        with state.resident_state(group, write_back=True):
+            state.after_checkpoint_load(units=group)
 
 
 def _load_scaler(engine: CheckpointedEngine, saved: dict[str, Any]) -> None:

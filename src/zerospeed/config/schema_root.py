@@ -247,5 +247,7 @@ def _cross_check_problems(cfg: ConfigSections) -> list[tuple[tuple[str | int, ..
         problems.append((("gradient_allreduce_op",), '"sum" is not supported with ZeRO stage 3'))
     if cfg.optimizer is not None and cfg.optimizer.type in _ONEBIT and stage not in (0, AUTO):
         problems.append((("optimizer", "type"), f"{show(cfg.optimizer.type)} cannot be combined "
-                                                f"with ZeRO (zero_optimization.stage is {stage})"))
+                                                f"with ZeRO (zero_optimization.stage is {stage}): it "
+                                                f"exchanges the whole momentum itself; use "
+                                                f"zero_optimization.stage 0"))
     return problems

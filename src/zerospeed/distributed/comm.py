@@ -26,6 +26,19 @@ reduce_scatter, the full output for all_gather, and this rank's input for all_to
 is not counted. A reduce_scatter that runs as an all_reduce is still counted as one
 reduce_scatter call of its input's bytes, so counters describe what the caller asked for and do
 not change with the policy. The ZeRO paper's volumes follow from these by the usual factors.
+
+``stats.sent[op]`` applies those factors: the bytes this rank puts on the wire under the usual
+algorithms (W = group size, n = the ``bytes`` figure of the call): all_reduce as a ring,
+``2(W-1)/W * n`` (rounded down); reduce_scatter, the parts of the other ranks, ``(W-1)/W * n``
+when even; all_gather, this rank's input once to each other rank, ``(W-1)/W * n`` when even;
+all_to_all(_single), what goes to the other ranks (this rank's own chunk excluded, uneven
+splits counted exactly); broadcast, ``n`` on ``src`` and 0 elsewhere (a flat tree: a
+pipelined or tree broadcast makes other ranks forward parts too, so this is the root's share
+only); send ``n``, recv 0, barrier 0; ``all_gather_object`` is its two all_gathers. Padding is
+not counted here either, and a reduce_scatter the policy runs as an all_reduce is still counted
+as a reduce_scatter (the algorithm asked for; gloo's own is an all_reduce of a clone anyway, so
+on gloo the wire carries up to twice that). ``stats.snapshot()`` and ``stats.since(snapshot)``
+give per-step deltas.
 """
 
 from __future__ import annotations
@@ -131,28 +144,77 @@ class CollectiveTimeout(CollectiveError):
     """
 
 
-@dataclass
-class CommStats:
-    """Calls and bytes per collective name, for profiling and for tests."""
+class _Totals:
+    """The totals over ops of per-op ``calls``, ``bytes`` and ``sent`` counters."""
 
-    calls: Counter = field(default_factory=Counter)
-    bytes: Counter = field(default_factory=Counter)
+    calls: Mapping[str, int]
+    bytes: Mapping[str, int]
+    sent: Mapping[str, int]
 
-    def record(self, op: str, nbytes: int) -> None:
-        self.calls[op] += 1
-        self.bytes[op] += nbytes
+    @property
+    def total_calls(self) -> int:
+        return sum(self.calls.values())
 
     @property
     def total_bytes(self) -> int:
         return sum(self.bytes.values())
 
     @property
-    def total_calls(self) -> int:
-        return sum(self.calls.values())
+    def total_sent(self) -> int:
+        return sum(self.sent.values())
+
+
+@dataclass(frozen=True)
+class CommCounts(_Totals):
+    """A frozen copy of a :class:`CommStats` (``snapshot()``), or the difference of two (``b - a``).
+
+    Per op: ``calls``, ``bytes`` (the logical tensor sizes) and ``sent`` (bytes this rank put on
+    the wire, see the module docstring). Taking one costs a copy of three small dicts, so a step
+    loop can take one per step.
+    """
+
+    calls: Mapping[str, int] = field(default_factory=dict)
+    bytes: Mapping[str, int] = field(default_factory=dict)
+    sent: Mapping[str, int] = field(default_factory=dict)
+
+    def __sub__(self, earlier: "CommCounts") -> "CommCounts":
+        """What was counted after ``earlier``; ops that did not run in between are left out."""
+        if not isinstance(earlier, CommCounts):
+            return NotImplemented
+
+        def minus(now: Mapping[str, int], then: Mapping[str, int]) -> Mapping[str, int]:
+            return MappingProxyType({op: n - then.get(op, 0) for op, n in now.items() if n != then.get(op, 0)})
+
+        return CommCounts(minus(self.calls, earlier.calls), minus(self.bytes, earlier.bytes),
+                          minus(self.sent, earlier.sent))
+
+
+@dataclass
+class CommStats(_Totals):
+    """Calls, logical bytes and bytes sent on the wire per collective name, for profiling and tests."""
+
+    calls: Counter = field(default_factory=Counter)
+    bytes: Counter = field(default_factory=Counter)
+    sent: Counter = field(default_factory=Counter)
+
+    def record(self, op: str, nbytes: int, sent: int = 0) -> None:
+        self.calls[op] += 1
+        self.bytes[op] += nbytes
+        self.sent[op] += sent
 
     def reset(self) -> None:
         self.calls.clear()
         self.bytes.clear()
+        self.sent.clear()
+
+    def snapshot(self) -> CommCounts:
+        """The counters now, frozen: subtract two to get what one step communicated."""
+        return CommCounts(MappingProxyType(dict(self.calls)), MappingProxyType(dict(self.bytes)),
+                          MappingProxyType(dict(self.sent)))
+
+    def since(self, earlier: CommCounts) -> CommCounts:
+        """What was counted after ``earlier`` (a :meth:`snapshot`)."""
+        return self.snapshot() - earlier
 
 
 def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
@@ -289,9 +351,9 @@ class Comm:
         except Exception:  # a store that cannot count: arrivals are still tracked, under a shared key
             return 0
 
-    def _enter(self, op: str, nbytes: int) -> int:
+    def _enter(self, op: str, nbytes: int, sent: int) -> int:
         self._seq += 1
-        self.stats.record(op, nbytes)
+        self.stats.record(op, nbytes, sent)
         return self._seq
 
     def wait_work(self, work: Any, op: str, seq: int | None) -> None:
@@ -373,7 +435,8 @@ class Comm:
                    async_op: bool = False) -> Handle | None:
         """Reduce ``tensor`` in place across the group."""
         finish = self._averager(tensor, op)  # validates op and dtype before any rank enters
-        seq = self._enter("all_reduce", _nbytes([tensor]))
+        nbytes = _nbytes([tensor])
+        seq = self._enter("all_reduce", nbytes, 2 * (self.world_size - 1) * nbytes // self.world_size)
         work = dist.all_reduce(tensor, op=_NATIVE_OPS[op], group=self.group, async_op=True)
         return self._run("all_reduce", seq, work, async_op, finish)
 
@@ -396,7 +459,7 @@ class Comm:
         # Uneven parts are packed into a scratch buffer anyway, which is ours to clobber. Only
         # facts every rank shares (sizes, policy, the flag) may pick the collective.
         via_all_reduce = (inputs_writable or not even) and self.reduce_scatter_policy.use_all_reduce(numel)
-        seq = self._enter("reduce_scatter", _nbytes(parts))
+        seq = self._enter("reduce_scatter", _nbytes(parts), _nbytes(parts) - _nbytes([parts[self.rank]]))
         # the caller's one contiguous tensor, or None when inputs is a list or not contiguous
         flat = inputs if isinstance(inputs, torch.Tensor) and inputs.is_contiguous() else None
         if via_all_reduce:
@@ -436,7 +499,7 @@ class Comm:
         input is copied aside first, and only then.
         """
         parts, width, even = self._rank_parts("all_gather", outputs, input, "input")
-        seq = self._enter("all_gather", _nbytes(parts))
+        seq = self._enter("all_gather", _nbytes(parts), (self.world_size - 1) * _nbytes([parts[self.rank]]))
         if even and isinstance(outputs, torch.Tensor) and outputs.is_contiguous():
             send, recv = input.contiguous().reshape(-1), outputs.reshape(-1)
             if not self._alias_safe and _overlaps(send, recv):
@@ -458,7 +521,8 @@ class Comm:
     def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Handle | None:
         """Copy group rank ``src``'s ``tensor`` to every rank, in place."""
         root = self._global(src)
-        seq = self._enter("broadcast", _nbytes([tensor]))
+        nbytes = _nbytes([tensor])
+        seq = self._enter("broadcast", nbytes, nbytes if src == self.rank else 0)
         work = dist.broadcast(tensor, src=root, group=self.group, async_op=True)
         return self._run("broadcast", seq, work, async_op)
 
@@ -468,13 +532,13 @@ class Comm:
         Messages with the same (sender, receiver, ``tag``) arrive in the order they were sent; a
         different tag is a separate channel (pipeline activations and gradients use one each).
         """
-        self.stats.record("send", _nbytes([tensor]))
+        self.stats.record("send", _nbytes([tensor]), _nbytes([tensor]))
         work = dist.isend(tensor.contiguous(), dst=self._global(dst), group=self.group, tag=tag)
         return self._run(f"send to rank {dst}{_tag_note(tag)}", None, work, async_op)
 
     def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False, tag: int = 0) -> Handle | None:
         """Point-to-point receive from group rank ``src`` into ``tensor`` (on channel ``tag``, see send)."""
-        self.stats.record("recv", _nbytes([tensor]))
+        self.stats.record("recv", _nbytes([tensor]), 0)
         work = dist.irecv(tensor, src=self._global(src), group=self.group, tag=tag)
         return self._run(f"recv from rank {src}{_tag_note(tag)}", None, work, async_op)
 
@@ -484,7 +548,7 @@ class Comm:
         self._check_parts("all_to_all inputs", list(inputs))
         self._check_parts("all_to_all outputs", list(outputs))
         dtype, device = inputs[0].dtype, inputs[0].device
-        seq = self._enter("all_to_all", _nbytes(inputs))
+        seq = self._enter("all_to_all", _nbytes(inputs), _nbytes(inputs) - _nbytes([inputs[self.rank]]))
         send = torch.cat([t.reshape(-1) for t in inputs]) if inputs else torch.empty(0, dtype=dtype)
         recv = torch.empty(sum(t.numel() for t in outputs), dtype=dtype, device=device)
         work = dist.all_to_all_single(
@@ -529,7 +593,7 @@ class Comm:
                                      f"but {name} has {rows} rows")
         if input.dtype != output.dtype:
             raise TypeError(f"all_to_all_single: input is {input.dtype} but output is {output.dtype}")
-        seq = self._enter(op, _nbytes([input]))
+        seq = self._enter(op, _nbytes([input]), _split_sent_bytes(input, input_split_sizes, self.rank, self.world_size))
         work = dist.all_to_all_single(
             output, input,
             output_split_sizes=None if output_split_sizes is None else list(output_split_sizes),
@@ -540,7 +604,7 @@ class Comm:
 
     def barrier(self, async_op: bool = False) -> Handle | None:
         """Wait until every rank of the group gets here (an all_reduce of one element, so it times out)."""
-        seq = self._enter("barrier", 0)
+        seq = self._enter("barrier", 0, 0)
         work = dist.all_reduce(self._scratch(1), group=self.group, async_op=True)
         return self._run("barrier", seq, work, async_op)
 
@@ -607,6 +671,16 @@ class Comm:
     def _check_parts(self, what: str, parts: list[torch.Tensor]) -> None:
         if len(parts) != self.world_size:
             raise ValueError(f"{what}: got {len(parts)} tensors for a group of {self.world_size} ranks")
+
+
+def _split_sent_bytes(input: torch.Tensor, splits: Sequence[int] | None, rank: int, world_size: int) -> int:
+    """Bytes of ``input`` that all_to_all_single sends to other ranks (its rows minus this rank's split)."""
+    total = _nbytes([input])
+    rows = input.shape[0] if input.dim() else 1
+    if rows == 0:
+        return 0
+    own_rows = rows // world_size if splits is None else splits[rank]
+    return total - own_rows * (total // rows)
 
 
 def _tag_note(tag: int) -> str:

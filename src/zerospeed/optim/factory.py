@@ -31,8 +31,7 @@ FUSED_ADAM_DEFAULTS: Mapping[str, Any] = MappingProxyType(
     {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0})
 
 #: DeepSpeed optimizer types we accept in the config but do not implement yet.
-UNIMPLEMENTED: tuple[str, ...] = ("OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Lion", "MuAdam",
-                                  "MuAdamW", "MuSGD", "Muon")
+UNIMPLEMENTED: tuple[str, ...] = ("Lion", "MuAdam", "MuAdamW", "MuSGD", "Muon")
 
 
 def _adam(name: str) -> Callable[..., Optimizer]:
@@ -77,9 +76,31 @@ def _lamb(params: Params, kwargs: dict[str, Any]) -> Optimizer:
     return Lamb(params, **kwargs)
 
 
+def _onebit_adam(params: Params, kwargs: dict[str, Any]) -> Optimizer:
+    """The replica group is bound when the engine adopts it (``ExchangingOptimizer``)."""
+    from .onebit.adam import OnebitAdam
+
+    return OnebitAdam(params, **kwargs)
+
+
+def _zero_one_adam(params: Params, kwargs: dict[str, Any]) -> Optimizer:
+    """The replica group is bound when the engine adopts it, as for 1-bit Adam."""
+    from .onebit.zoadam import ZeroOneAdam
+
+    return ZeroOneAdam(params, **kwargs)
+
+
+def _onebit_lamb(params: Params, kwargs: dict[str, Any]) -> Optimizer:
+    """The replica group is bound when the engine adopts it, as for 1-bit Adam."""
+    from .onebit.lamb import OnebitLamb
+
+    return OnebitLamb(params, **kwargs)
+
+
 #: DeepSpeed optimizer types we build ourselves; every other name is a ``torch.optim`` class.
 OPTIMIZERS: Mapping[str, Callable[[Params, dict[str, Any]], Optimizer]] = MappingProxyType({
-    "Adam": _adam("Adam"), "AdamW": _adam("AdamW"), "Adagrad": _adagrad, "Lamb": _lamb})
+    "Adam": _adam("Adam"), "AdamW": _adam("AdamW"), "Adagrad": _adagrad, "Lamb": _lamb,
+    "OneBitAdam": _onebit_adam, "ZeroOneAdam": _zero_one_adam, "OneBitLamb": _onebit_lamb})
 
 
 def build_optimizer(spec: OptimizerSpec | None, params: Params, cpu_offload: bool = False) -> Optimizer | None:

@@ -7,7 +7,9 @@ have all received their gradient is all-reduced at once, asynchronously, while b
 with earlier layers. After the first window the buckets are laid out again in the order gradients
 really arrived (rank 0's), so unused or late parameters no longer hold the first buckets back.
 ``finish()`` launches what is left, waits, and applies DeepSpeed's scaling (``prescale_gradients`` /
-``gradient_predivide_factor``).
+``gradient_predivide_factor``). With ``rows`` (the config's ``sparse_gradients``) each lookup
+table's gradient has a bucket of its own, reduced by exchanging only the rows the window touched
+(:mod:`zero.sparse_rows`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from zerospeed.distributed.comm import Comm
 from zerospeed.zero.reducer import (AllReduce, Bucket, GradReducer, GradSlot, ReductionPolicy, plan_buckets,
                                     second_backward_error)
+from zerospeed.zero.sparse_rows import SparseRows, TouchedRows
 
 __all__ = ["GradBuckets", "ReductionPolicy", "plan_buckets"]
 
@@ -27,16 +30,19 @@ class GradBuckets:
     """Owns gradient accumulation and averaging for a list of parameters (ZeRO stage 0)."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], comm: Comm, *, bucket_elems: int,
-                 accum_dtype: torch.dtype = torch.float32, policy: ReductionPolicy = ReductionPolicy()):
+                 accum_dtype: torch.dtype = torch.float32, policy: ReductionPolicy = ReductionPolicy(),
+                 rows: SparseRows | None = None):
+        """``rows``: which parameters are lookup tables exchanged as touched rows (None: all dense)."""
         trainable = [p for p in params if p.requires_grad]
         self._trainable = trainable
         self._bucket_elems = bucket_elems
+        self.comm = comm
+        self.touched: TouchedRows | None = rows.track(trainable) if rows is not None else None
         # a first guess: backward meets the last layers first
         buckets = self._layout(list(reversed(range(len(trainable)))))
         self.reducer = GradReducer(trainable, buckets, range(len(buckets)), comm, collective=AllReduce(comm),
                                    policy=policy, accum_dtype=accum_dtype, land=_keep_whole,
                                    late_gradient=_late_gradient, keep_accumulators=True)
-        self.comm = comm
         self.policy = policy
         self._finished_once = False  # every rank sets it in finish(): the re-layout never depends on local data
         self._window_done = False
@@ -44,14 +50,18 @@ class GradBuckets:
     def _layout(self, order: list[int]) -> list[Bucket]:
         """Buckets for the trainable parameters taken in ``order`` (indices into the trainable list)."""
         numels = [self._trainable[i].numel() for i in order]
+        touched = self.touched
+        alone = {k for k, i in enumerate(order) if touched is not None and touched.covers(self._trainable[i])}
         buckets = []
-        for b, group in enumerate(plan_buckets(numels, self._bucket_elems)):
+        for b, group in enumerate(plan_buckets(numels, self._bucket_elems, alone)):
             slots, offset = [], 0
             for k in group:
                 p = self._trainable[order[k]]
                 slots.append(GradSlot(offset, p.shape, order[k]))
                 offset += p.numel()
-            buckets.append(Bucket(b, slots, offset, self._trainable[order[group[0]]].device))
+            first = self._trainable[order[group[0]]]
+            exchange = touched.exchange(self.comm, first) if touched is not None and group[0] in alone else None
+            buckets.append(Bucket(b, slots, offset, first.device, collective=exchange))
         return buckets
 
     @property
@@ -78,6 +88,14 @@ class GradBuckets:
         self.reducer.flush()
         self._finished_once = True
         self.reducer.restart_pass()  # a further reducing backward would launch again
+        self._window_done = True
+
+    def finish_locally(self) -> None:
+        """End the window without averaging: each rank keeps its own accumulated gradients (the
+        optimizer exchanges what it needs itself, e.g. 1-bit Adam's compressed momentum)."""
+        if self._window_done:
+            return
+        self.reducer.settle_locally()
         self._window_done = True
 
     def _relay(self) -> None:
@@ -117,6 +135,8 @@ class GradBuckets:
 
     def remove_hooks(self) -> None:
         self.reducer.remove_hooks()
+        if self.touched is not None:
+            self.touched.remove_hooks()
 
 
 def _keep_whole(bucket: Bucket, out: torch.Tensor) -> None:

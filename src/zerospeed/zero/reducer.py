@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Collection, Protocol, Sequence
 
 import torch
 
@@ -31,11 +31,12 @@ from zerospeed.distributed.comm import Comm, Handle
 from zerospeed.lifecycle import Transitions
 
 
-def plan_buckets(numels: Sequence[int], bucket_elems: int) -> list[list[int]]:
+def plan_buckets(numels: Sequence[int], bucket_elems: int, alone: Collection[int] = ()) -> list[list[int]]:
     """Group parameter indices, in the given order, into buckets of about ``bucket_elems`` elements.
 
     A bucket closes once it reaches ``bucket_elems``; a parameter larger than that gets a bucket
-    of its own. Pure, so the layout is tested without processes.
+    of its own, and so does every index in ``alone`` (a parameter reduced by a collective of its
+    own, in its place in the order). Pure, so the layout is tested without processes.
     """
     if bucket_elems < 1:
         raise ValueError(f"reduce_bucket_size={bucket_elems} must be >= 1 element")
@@ -43,6 +44,12 @@ def plan_buckets(numels: Sequence[int], bucket_elems: int) -> list[list[int]]:
     current: list[int] = []
     filled = 0
     for index, numel in enumerate(numels):
+        if index in alone:
+            if current:
+                buckets.append(current)
+                current, filled = [], 0
+            buckets.append([index])
+            continue
         current.append(index)
         filled += numel
         if filled >= bucket_elems:
@@ -84,10 +91,20 @@ class ReductionPolicy:
 
 
 # -- how a bucket is reduced -------------------------------------------------------------------
+class Pending(Protocol):
+    """A reduction in flight (a Comm :class:`Handle`, or several chained by a collective)."""
+
+    def wait(self) -> None:
+        ...
+
+    def is_completed(self) -> bool:
+        ...
+
+
 class Collective(Protocol):
     """How one flat bucket is reduced across ranks, and which part of it this rank keeps."""
 
-    def launch(self, wire: torch.Tensor) -> Handle:
+    def launch(self, wire: torch.Tensor) -> Pending:
         """Start reducing ``wire`` (in place) asynchronously."""
         ...
 
@@ -167,8 +184,11 @@ class GradSlot:
 class Bucket:
     """The gradients reduced by one collective: slots in one flat accumulator of ``numel`` elements."""
 
-    def __init__(self, index: int, slots: Sequence[GradSlot], numel: int, device: torch.device):
+    def __init__(self, index: int, slots: Sequence[GradSlot], numel: int, device: torch.device, *,
+                 collective: Collective | None = None):
+        """``collective``: how this bucket is reduced when not the reducer's (a row exchange)."""
         self.index = index
+        self.collective = collective
         self.slots = list(slots)
         self.numel = numel  # slots, then zero padding up to here
         self.used = max((s.end for s in self.slots), default=0)  # where the padding starts
@@ -178,7 +198,7 @@ class Bucket:
         self.written = [False] * len(self.slots)  # slots holding this window's values (else stale)
         self.received: set[int] = set()  # slots whose gradient arrived in this reducing pass
         self.state = BucketState.ACCUMULATING
-        self.handle: Handle | None = None
+        self.handle: Pending | None = None
         self.wire: torch.Tensor | None = None  # the accumulator in the reduce dtype, while in flight
 
     def advance(self, new: BucketState) -> None:
@@ -298,6 +318,10 @@ class GradReducer:
             view = bucket.view(slot)
             if bucket.written[slot]:
                 view.add_(param.grad)
+            elif param.grad.is_sparse:  # a sparse=True embedding's COO gradient: duplicate rows are summed
+                view.zero_()
+                view.add_(param.grad)
+                bucket.written[slot] = True
             else:  # the window's first gradient overwrites: no zeroing pass over the buckets per step
                 view.copy_(param.grad)
                 bucket.written[slot] = True
@@ -336,7 +360,7 @@ class GradReducer:
         wire = acc if dtype is None or dtype == acc.dtype else acc.to(dtype)
         self.policy.before(wire, self.comm.world_size)
         bucket.wire = wire
-        bucket.handle = self.collective.launch(wire)
+        bucket.handle = (bucket.collective or self.collective).launch(wire)
         self._in_flight.append(bucket)
         if not self.overlap:
             self._complete(self._in_flight.pop(0))
@@ -351,7 +375,7 @@ class GradReducer:
         """Wait for ``bucket``'s reduction, average it and hand it to ``land``."""
         assert bucket.handle is not None and bucket.wire is not None
         bucket.handle.wait()
-        out = self.collective.result(bucket.wire)
+        out = (bucket.collective or self.collective).result(bucket.wire)
         self.policy.after(out, self.comm.world_size)
         self._land(bucket, out)
         if not self.keep_accumulators:
@@ -405,6 +429,23 @@ class GradReducer:
                 done.append(b)
         finished = set(done)
         return done + [b for b in self.order if b not in finished]
+
+    def settle_locally(self) -> None:
+        """End the pass with every bucket holding this rank's own accumulated gradients, unreduced
+        (an optimizer exchanging by itself): unwritten slots and padding become zero, as a launch
+        would make them, and nothing is sent."""
+        assert not self._in_flight, "a local window launches nothing"
+        for bucket in self.buckets:
+            if bucket.state is not BucketState.ACCUMULATING:
+                continue
+            acc = self._ensure_acc(bucket)
+            for slot, s in enumerate(bucket.slots):
+                if not bucket.written[slot]:
+                    acc[s.offset: s.end].zero_()
+                    bucket.written[slot] = True
+            if bucket.used < bucket.numel:
+                acc[bucket.used:].zero_()
+        self.restart_pass()
 
     def new_window(self) -> None:
         """Start an accumulation window: every slot is overwritten by its first gradient again."""

@@ -15,11 +15,13 @@ from torch import nn
 
 from zerospeed.distributed.comm import Comm
 from zerospeed.offload.run import IoStats
+from zerospeed.optim.exchange import ExchangingOptimizer
 from zerospeed.sharding.slots import ParamInfo, Slot, even_split
 from zerospeed.zero.contract import CheckpointGroups, ParamOwner
 from zerospeed.zero.grads import GradBuckets, ReductionPolicy
 from zerospeed.zero.memory import storage_bytes
 from zerospeed.zero.owner import clear_owner, set_owner
+from zerospeed.zero.sparse_rows import SparseRows
 from zerospeed.zero.step_grads import NormScope, StepGrads
 
 
@@ -30,11 +32,12 @@ class ReplicatedState:
 
     def __init__(self, model: nn.Module, comm: Comm, *, master_dtype: torch.dtype, accum_dtype: torch.dtype,
                  bucket_elems: int, reduction: ReductionPolicy, norm: NormScope = NormScope(),
-                 owns: Callable[[nn.Parameter], bool] | None = None):
+                 owns: Callable[[nn.Parameter], bool] | None = None, rows: SparseRows | None = None):
         """``norm``: how the global gradient norm counts parameters when the model is split beyond data
         parallelism (after the all-reduce every data-parallel rank holds the same averaged gradients).
         ``owns``: which of the model's parameters this state keeps (default all; a :class:`SplitState`
-        gives expert parameters to a state over their own replica group)."""
+        gives expert parameters to a state over their own replica group). ``rows``: lookup tables
+        whose gradients are exchanged as the rows each window touched (``sparse_gradients``)."""
         self.module = model
         self.comm = comm
         self.norm = norm
@@ -45,8 +48,9 @@ class ReplicatedState:
         else:
             self.master_params = self.model_params
         self.buckets = GradBuckets(self.model_params, comm, bucket_elems=bucket_elems, accum_dtype=accum_dtype,
-                                   policy=reduction)
+                                   policy=reduction, rows=rows)
         self.optimizer: torch.optim.Optimizer | None = None
+        self._exchange: ExchangingOptimizer | None = None  # an optimizer averaging by itself after warm-up
         for i, p in enumerate(self.model_params):
             set_owner(p, ReplicatedParamRef(self, i))
 
@@ -56,8 +60,12 @@ class ReplicatedState:
         return any(p is param for _, p in self._named())
 
     def adopt(self, optimizer: torch.optim.Optimizer) -> None:
-        """Point the optimizer's groups at the fp32 masters (its state is still empty here)."""
+        """Point the optimizer's groups at the fp32 masters (its state is still empty here); an
+        optimizer that exchanges by itself (1-bit Adam...) is given this state's replica group."""
         self.optimizer = optimizer
+        if isinstance(optimizer, ExchangingOptimizer):
+            optimizer.bind_exchange(self.comm)
+            self._exchange = optimizer
         if self.master_params is self.model_params:
             return
         by_id = {id(p): m for p, m in zip(self.model_params, self.master_params, strict=True)}
@@ -76,7 +84,7 @@ class ReplicatedState:
 
     # -- backward ---------------------------------------------------------------------------
     def begin_backward(self, reduce: bool) -> None:
-        self.buckets.reduce_this_step = reduce
+        self.buckets.reduce_this_step = reduce and not self._local_window()
 
     def end_backward(self) -> None:
         """Buckets still in flight are waited for at the step."""
@@ -85,9 +93,17 @@ class ReplicatedState:
         return True
 
     # -- step -------------------------------------------------------------------------------
+    def _local_window(self) -> bool:
+        """This window's gradients stay on their rank: the optimizer exchanges by itself now."""
+        return self._exchange is not None and not self._exchange.reduces_gradients()
+
     def step_grads(self) -> StepGrads:
-        """The averaged gradients, as flat tensors this rank may scale in place."""
-        self.buckets.finish()
+        """The averaged gradients (this rank's own in a local window), as flat tensors this rank
+        may scale in place."""
+        if self._local_window():
+            self.buckets.finish_locally()
+        else:
+            self.buckets.finish()
         return StepGrads.in_memory(self.buckets.flat_buffers(), self._norm_skip())
 
     def _norm_skip(self) -> list[list[tuple[int, int]]]:
@@ -104,7 +120,15 @@ class ReplicatedState:
         return [sorted(ranges) for ranges in skip]
 
     def squared_norm(self, grads: StepGrads) -> torch.Tensor:
-        return self.sum_over_ranks(grads.local_norm().double().square())
+        """The global squared norm; in a local window this rank's own (each rank clips its own
+        gradients, as DeepSpeed's 1-bit optimizers do), made infinite on every rank when any rank
+        overflowed, so all ranks skip the same steps."""
+        squared = self.sum_over_ranks(grads.local_norm().double().square())
+        if not self._local_window():
+            return squared
+        overflowed = torch.tensor([0.0 if bool(torch.isfinite(squared).all()) else 1.0], dtype=torch.float64)
+        self.comm.all_reduce(overflowed, "max")
+        return squared if overflowed.item() == 0.0 else torch.full_like(squared, float("inf"))
 
     def sum_over_ranks(self, local: torch.Tensor) -> torch.Tensor:
         """Gradients are replicated over data parallelism after the all-reduce: only the axes that split

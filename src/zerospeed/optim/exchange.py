@@ -1,0 +1,41 @@
+"""Optimizers that average across data-parallel ranks themselves.
+
+1-bit Adam, 0/1 Adam and 1-bit LAMB replace the gradient all-reduce by their own compressed
+exchange of the momentum once their warm-up ends (and 0/1 Adam skips communication on some steps
+altogether). The model state asks such an optimizer, window by window, whether it should still
+average the gradients, and hands it the replica group it exchanges over; nothing else in the
+engine knows about compression.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+from zerospeed.distributed.comm import Comm
+
+__all__ = ["ExchangingOptimizer", "RankLocalState"]
+
+
+@runtime_checkable
+class ExchangingOptimizer(Protocol):
+    """An optimizer that owns (part of) the data-parallel exchange."""
+
+    def bind_exchange(self, comm: Comm) -> None:
+        """The replica group the optimizer's collectives run over (given by the model state on adopt)."""
+
+    def reduces_gradients(self) -> bool:
+        """Whether the coming window's gradients must be averaged by the model state (False: the
+        optimizer receives this rank's own gradients and exchanges what it needs itself)."""
+
+
+@runtime_checkable
+class RankLocalState(Protocol):
+    """Optimizer state that differs from rank to rank (compression error buffers) and so is saved
+    per rank rather than as element ranges of the parameters."""
+
+    def rank_state(self) -> dict[str, Any]:
+        """This rank's state: tensors and plain values, saved in its ``rank<N>.state.pt``."""
+
+    def load_rank_states(self, saved: list[dict[str, Any]], rank: int, world_size: int) -> None:
+        """Restore from every saved rank's :meth:`rank_state` (in saved rank order), for ``rank`` of
+        ``world_size`` now: the same layout restores exactly, another one is reshaped."""
