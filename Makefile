@@ -52,6 +52,7 @@ bench: install
 	$(BIN)/python benchmarks/bench_moe.py --quick
 	$(BIN)/python benchmarks/bench_int8.py --quick
 	$(BIN)/python benchmarks/bench_inference.py --quick
+	$(BIN)/python benchmarks/bench_pld.py --quick
 	$(BIN)/python benchmarks/bench_import.py --runs 3
 
 clean:

@@ -11,6 +11,10 @@ memory of every rank, the config settings in force beyond the defaults, and a sa
 becomes DeepSpeed's ``MoE`` layer over 4 experts (top-2, dropless), each rank holding 2 of them and
 exchanging tokens with the other by all-to-all (``zerospeed --num_procs 2 examples/demo.py --moe_experts 4
 --ep_size 2``).
+
+``--pld 0.5`` turns on progressive layer drop (``"progressive_layer_drop": {"enabled": true, "theta": 0.5,
+"gamma": --pld_gamma}``): the engine passes theta(t) to the GPT, which skips deeper blocks more often in
+training (evaluation and sampling run every block).
 """
 
 from __future__ import annotations
@@ -56,12 +60,16 @@ def cached_corpus(max_bytes: int) -> bytes:
     return corpus
 
 
-def load_demo_config(path: str, steps: int, zero_stage: int | None = None) -> dict:
+def load_demo_config(path: str, steps: int, zero_stage: int | None = None,
+                     layer_drop: tuple[float, float] | None = None) -> dict:
     """The JSON config, with a decaying schedule stretched to the requested number of steps (and the
-    ZeRO stage replaced when one is asked for, to compare stages on the same run)."""
+    ZeRO stage replaced when one is asked for, to compare stages on the same run; ``layer_drop``:
+    (theta, gamma) of a ``progressive_layer_drop`` section)."""
     config = json.loads(Path(path).read_text())
     if zero_stage is not None:
         config.setdefault("zero_optimization", {})["stage"] = zero_stage
+    if layer_drop is not None:
+        config["progressive_layer_drop"] = {"enabled": True, "theta": layer_drop[0], "gamma": layer_drop[1]}
     params = (config.get("scheduler") or {}).get("params", {})
     if "total_num_steps" in params:
         params["total_num_steps"] = steps
@@ -152,6 +160,9 @@ def main() -> None:
     parser.add_argument("--moe_every", type=int, default=2, help="every n-th block gets an MoE MLP")
     parser.add_argument("--moe_k", type=int, default=2, help="experts per token")
     parser.add_argument("--ep_size", type=int, default=1, help="expert-parallel degree (divides the rank count)")
+    parser.add_argument("--pld", type=float, default=None, metavar="THETA",
+                        help="progressive layer drop with this theta-bar (0.5 in the paper; off by default)")
+    parser.add_argument("--pld_gamma", type=float, default=0.01, help="theta(t)'s decay rate with --pld")
     args = parser.parse_args()
 
     # The progress bar and summary say what the engine's INFO lines would (the full config is --full_config).
@@ -161,7 +172,8 @@ def main() -> None:
     train_tokens, val_tokens = split(cached_corpus(args.corpus_bytes))
     train_data, val_data = TokenWindows(train_tokens, args.seq_len), TokenWindows(val_tokens, args.seq_len)
     model = GPT(GPTConfig(seq_len=args.seq_len, **moe_options(args)))
-    config = load_demo_config(args.deepspeed_config, args.steps, args.zero_stage)
+    config = load_demo_config(args.deepspeed_config, args.steps, args.zero_stage,
+                              None if args.pld is None else (args.pld, args.pld_gamma))
     engine, _, loader, _ = zerospeed.initialize(model=model, config=config, training_data=train_data)
     comm, cfg, show = engine.comm, engine.config, engine.comm.rank == 0
     if show:
@@ -213,6 +225,9 @@ def print_summary(engine: zerospeed.Engine, args: argparse.Namespace, losses: li
           f"{states['optimizer_states'] / 2**20:.1f}; ZeRO stage {engine.config.zero_optimization.stage})")
     print(f"  optimizer steps      {engine.global_steps} applied, {engine.skipped_steps} skipped; "
           f"final lr {engine.get_lr()[0]:.2e}")
+    theta = engine.get_pld_theta()
+    if theta is not None:
+        print(f"  layer drop           theta now {theta:.3f} (the last block kept with that probability)")
     print("  config beyond defaults (resolved; --full_config prints all of it):")
     print(format_settings(non_default_settings(engine.config, engine.comm.world_size), "    "))
     return last < losses[0] and val[1] < val[0]

@@ -5,6 +5,13 @@ demo exercises the engine, not the model. ``GPTConfig(moe_experts=E)`` makes it 
 the MLP of every ``moe_every``-th block becomes ``zerospeed.moe.layer.MoE`` (DeepSpeed's layer) over
 ``E`` experts, ``ep_size``-way expert parallel, and the returned loss gains ``moe_aux_coef`` times the
 layers' load-balancing losses. With ``moe_experts=0`` (the default) only torch is imported.
+
+Progressive layer dropping: ``forward`` takes the engine's ``progressive_layer_drop``/``pld_theta`` keywords
+(config section ``progressive_layer_drop``); in training each block is then skipped with probability
+``1 - p_l`` and a kept block's attention and MLP outputs are scaled by ``1 / p_l``
+(``zerospeed.layer_drop``). The draws come from a generator of the model's own, seeded with
+``GPTConfig.pld_seed``, so every rank skips the same blocks (ZeRO-3 gathers and expert all-to-alls stay
+matched). Without the keywords, and in eval mode, every block runs as before.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ class GPTConfig:
     # DeepSpeed samples top-2's second expert with Gumbel noise by default; off here, so routing is a
     # function of the weights alone and a run can be reproduced (and checked) exactly
     moe_second_expert_sampling: bool = False
+    pld_seed: int = 0  # seed of the layer-drop draws (the same on every rank)
 
     def __post_init__(self) -> None:
         if self.moe_experts < 0 or self.moe_every < 1:
@@ -48,6 +56,11 @@ class GPTConfig:
         if not self.moe_experts:
             return ()
         return tuple(i for i in range(self.n_layers) if i % self.moe_every == self.moe_every - 1)
+
+
+def _scaled(branch: torch.Tensor, scale: float) -> torch.Tensor:
+    """A residual branch times ``scale`` (untouched at 1.0, so a run without layer drop is bit-identical)."""
+    return branch if scale == 1.0 else branch * scale
 
 
 class CausalSelfAttention(nn.Module):
@@ -73,9 +86,10 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.GELU(),
                                  nn.Linear(4 * cfg.d_model, cfg.d_model))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+    def forward(self, x: torch.Tensor, branch_scale: float = 1.0) -> torch.Tensor:
+        """``branch_scale``: the factor of both residual branches (1 / keep probability under layer drop)."""
+        x = x + _scaled(self.attn(self.ln1(x)), branch_scale)
+        return x + _scaled(self.mlp(self.ln2(x)), branch_scale)
 
 
 class MoEBlock(nn.Module):
@@ -95,10 +109,10 @@ class MoEBlock(nn.Module):
                        capacity_factor=cfg.moe_capacity_factor, drop_tokens=cfg.moe_drop_tokens,
                        top2_2nd_expert_sampling=cfg.moe_second_expert_sampling)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, branch_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x + _scaled(self.attn(self.ln1(x)), branch_scale)
         out, l_aux, _ = self.mlp(self.ln2(x))
-        return x + out, l_aux
+        return x + _scaled(out, branch_scale), l_aux
 
 
 class GPT(nn.Module):
@@ -120,6 +134,7 @@ class GPT(nn.Module):
                 nn.init.normal_(proj.weight, std=0.02 / (2 * cfg.n_layers) ** 0.5)
         for i in cfg.moe_blocks():  # after the init: the experts copy the initialized MLP
             self.blocks[i] = MoEBlock(self.blocks[i], cfg)
+        self._pld_rng: torch.Generator | None = None  # made by the first layer-drop forward
 
     @staticmethod
     def _init(module: nn.Module) -> None:
@@ -131,16 +146,21 @@ class GPT(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
+                progressive_layer_drop: bool = False, pld_theta: float = 1.0) -> torch.Tensor:
+        """``progressive_layer_drop``/``pld_theta``: the engine's layer-drop keywords (used in training only)."""
         t = idx.shape[1]
         x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
         aux: list[torch.Tensor] = []
-        for block in self.blocks:
+        scales = self._layer_drop_scales(progressive_layer_drop, pld_theta)
+        for block, scale in zip(self.blocks, scales, strict=True):
+            if scale is None:  # dropped in this forward: the block is the identity
+                continue
             if isinstance(block, MoEBlock):
-                x, l_aux = block(x)
+                x, l_aux = block(x, scale)
                 aux.append(l_aux)
             else:
-                x = block(x)
+                x = block(x, scale)
         logits = self.head(self.ln_f(x))
         if targets is None:
             return logits
@@ -148,6 +168,16 @@ class GPT(nn.Module):
         if aux:
             loss = loss + self.cfg.moe_aux_coef * torch.stack(aux).float().sum()
         return loss
+
+    def _layer_drop_scales(self, progressive_layer_drop: bool, pld_theta: float) -> tuple[float | None, ...]:
+        """Per block: None (skipped) or its branch scale; all 1.0 unless training with layer drop on."""
+        if not (progressive_layer_drop and self.training):
+            return (1.0,) * len(self.blocks)
+        from zerospeed.layer_drop import LayerDropPlan  # only layer-drop runs need zerospeed
+
+        if self._pld_rng is None:
+            self._pld_rng = torch.Generator().manual_seed(self.cfg.pld_seed)
+        return LayerDropPlan.draw(len(self.blocks), pld_theta, generator=self._pld_rng).scales
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 0.7,

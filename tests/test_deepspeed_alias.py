@@ -51,6 +51,7 @@ PATHS = {
     "deepspeed.runtime.dataloader": {"RepeatingLoader": "zerospeed.data.loader.RepeatingLoader"},
     "deepspeed.runtime.utils": {"see_memory_usage": None, "set_random_seed": None, "move_to_device": None},
     "deepspeed.runtime.base_optimizer": {"DeepSpeedOptimizer": None},
+    "deepspeed.runtime.progressive_layer_drop": {"ProgressiveLayerDrop": None},
     "deepspeed.runtime.comm.compressed": {"CompressedBackend": None},
     "deepspeed.runtime.comm.nccl": {"NcclBackend": "zerospeed.runtime.comm.compressed.CompressedBackend"},
     "deepspeed.runtime.comm.mpi": {"MpiBackend": None},

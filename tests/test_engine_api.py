@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 import pathlib
 import re
 import sys
@@ -21,11 +20,10 @@ from typing import Any, Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from zerospeed.engine_refusals import REFUSED
-from zerospeed.testing import free_port
+from zerospeed.testing import one_process_group
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data" / "deepspeed_0_19_8_engine_api.json"
@@ -122,22 +120,8 @@ def _doc_rows(text: str) -> dict[str, tuple[str, str]]:
 @pytest.fixture(scope="module")
 def one_rank() -> Iterator[None]:
     """A one-process gloo group for this module (torn down after it, so later tests see none)."""
-    if dist.is_initialized():
+    with one_process_group():
         yield
-        return
-    import zerospeed
-
-    saved = dict(os.environ)
-    port = free_port()
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    zerospeed.init_distributed(dist_backend="gloo")
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 def _model() -> nn.Module:

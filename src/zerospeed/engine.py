@@ -27,6 +27,7 @@ from zerospeed.data.loader import DistributedLoader
 from zerospeed.distributed.comm import Comm, CommCounts
 from zerospeed.distributed.mesh import Mesh
 from zerospeed.engine_api import DeepSpeedEngineAPI
+from zerospeed.layer_drop import LayerDropSchedule
 from zerospeed.precision.policy import MixedPrecisionPolicy
 from zerospeed.profiling.timers import NoTimers, PhaseTimers
 from zerospeed.zero.contract import ModelState
@@ -58,7 +59,8 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
     def __init__(self, module: nn.Module, cfg: Config, comm: Comm, policy: MixedPrecisionPolicy,
                  optimizer: torch.optim.Optimizer | None, lr_scheduler: LRScheduler | None = None, *,
                  state: ModelState, mesh: Mesh, timers: PhaseTimers | None = None,
-                 settings: TrainingPolicy | None = None, training_dataloader: DistributedLoader | None = None):
+                 settings: TrainingPolicy | None = None, training_dataloader: DistributedLoader | None = None,
+                 layer_drop: LayerDropSchedule | None = None):
         super().__init__()
         if mesh.dp is not comm:
             raise ValueError("Engine(comm=..., mesh=...): comm must be the mesh's data-parallel Comm (mesh.dp)")
@@ -97,6 +99,8 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self._last_loss: torch.Tensor | None = None
         self._tick = time.perf_counter()
         self.training_dataloader = training_dataloader  # its position is saved in checkpoints
+        # progressive_layer_drop: theta(t) as a function of global_steps (None: the forward is left alone)
+        self.layer_drop = layer_drop
         # Bytes sent per collective, measured window by window (comm_bytes()).
         self._comm_marks = self._comm_counts()
         self._window_sent: dict[str, int] = {}
@@ -131,6 +135,8 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
 
     # -- forward / backward ----------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.layer_drop is not None and self.module.training:  # DeepSpeed: training forwards only
+            kwargs = {**kwargs, **self.layer_drop.forward_kwargs(self.global_steps)}
         args, kwargs = self.policy.cast_forward_args(args, kwargs)
         with self.timers.phase("forward"):
             return self.module(*args, **kwargs)
@@ -384,6 +390,12 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
 
     def get_global_grad_norm(self) -> float | None:
         return self._global_grad_norm
+
+    def get_pld_theta(self) -> float | None:
+        """The keep ratio theta(t) the next training forward gets as ``pld_theta`` (DeepSpeed 0.19.6's
+        ``get_pld_theta``): 1.0 before the first step, then theta(global_steps - 1); None when
+        ``progressive_layer_drop`` is off."""
+        return None if self.layer_drop is None else self.layer_drop.theta_during(self.global_steps)
 
     def get_lr(self) -> list[float]:
         """Each parameter group's learning rate (``[]`` without an optimizer, as in DeepSpeed)."""

@@ -397,5 +397,24 @@ class DeepSpeedConfigGetters:
         """``data_efficiency.data_routing.random_ltd.enabled`` (False when absent)."""
         return bool(self.random_ltd_config().get("enabled", False))
 
+    # -- progressive layer drop (DeepSpeed 0.19.6's getters; 0.19.8 removed the feature) ----------------
+    def pld_enabled(self) -> bool:
+        return self.config.progressive_layer_drop.enabled
+
+    def pld_params(self) -> dict[str, float] | bool:
+        """``progressive_layer_drop`` without ``enabled`` (defaults filled in), or False when the config has
+        no such section, as DeepSpeed 0.19.6."""
+        if "progressive_layer_drop" not in self.config.model_fields_set:
+            return False
+        section = self.config.progressive_layer_drop
+        return {"theta": section.theta, "gamma": section.gamma}
+
+    def pld_theta(self) -> float:
+        """The config's ``progressive_layer_drop.theta`` (theta(t)'s limit); the live value is ``get_pld_theta()``."""
+        return self.config.progressive_layer_drop.theta
+
+    def pld_gamma(self) -> float:
+        return self.config.progressive_layer_drop.gamma
+
 
 __all__ = ["DeepSpeedConfigGetters"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import logging
 from typing import Any, Callable, Iterable
 
@@ -21,6 +22,7 @@ from zerospeed.distributed.env import DEFAULT_TIMEOUT, init_distributed, process
 from zerospeed.distributed.groups import group_rank, group_size
 from zerospeed.distributed.mesh import Mesh
 from zerospeed.engine import Engine
+from zerospeed.layer_drop import LayerDropSchedule
 from zerospeed.precision.policy import MixedPrecisionPolicy
 from zerospeed.profiling.timers import NoTimers, PhaseTimers, WallClockTimers
 from zerospeed.zero.contract import ModelState
@@ -48,7 +50,7 @@ IMPLEMENTED = frozenset({
     "zero_optimization.offload_optimizer.pipeline_write", "zero_optimization.offload_optimizer.fast_init",
     "activation_checkpointing.cpu_checkpointing", "activation_checkpointing.contiguous_memory_optimization",
     "activation_checkpointing.synchronize_checkpoint_boundary", "activation_checkpointing.profile",
-    "wall_clock_breakdown", "sparse_gradients",
+    "wall_clock_breakdown", "sparse_gradients", "progressive_layer_drop",
     # save_16bit_model / _zero3_consolidated_16bit_state_dict always gather the stage-3 shards.
     "zero_optimization.stage3_gather_16bit_weights_on_model_save",
 })
@@ -121,6 +123,7 @@ def initialize(args: Any = None, model: nn.Module | None = None,
         pipe_setup.check_stage(pipeline, mesh)
         pipe_setup.check_config(cfg, pipeline, zero)
         schedule = pipe_setup.schedule_settings(cfg, pipeline, training.gradient_accumulation_steps)
+    layer_drop = _layer_drop(cfg, model)
     model.to(get_accelerator().torch_device(info.local_rank))
     _detach_previous_engine(model)
     moe_setup.bind(model, mesh)
@@ -166,10 +169,13 @@ def initialize(args: Any = None, model: nn.Module | None = None,
                                         timers=_timers(cfg), settings=training, training_dataloader=loader)
     else:
         engine = Engine(model, cfg, comm, policy, opt, sched, state=state, mesh=mesh, timers=_timers(cfg),
-                        settings=training, training_dataloader=loader)
+                        settings=training, training_dataloader=loader, layer_drop=layer_drop)
     _ensure_log_handler()
     if group_rank() == 0:
         log.info("zerospeed config (resolved, every default in force):\n%s", cfg.to_json())
+        if layer_drop is not None:
+            log.info("progressive layer drop: theta(t) = (1 - %g) * exp(-%g * t) + %g, passed to the model's "
+                     "training forwards as pld_theta", layer_drop.theta, layer_drop.gamma, layer_drop.theta)
         if offload or state.stage == 3 and zero.offload_param.enabled:
             log.info("offload: %s", state.describe_offload())
     return engine, opt, loader, sched
@@ -205,6 +211,27 @@ def _tensor_parallel_settings(source: Config | dict[str, Any]) -> dict[str, Any]
         return {}
     size = section.get("autotp_size", 0)
     return {**section, "autotp_size": size if isinstance(size, int) and not isinstance(size, bool) else 0}
+
+
+def _layer_drop(cfg: Config, model: nn.Module) -> LayerDropSchedule | None:
+    """``progressive_layer_drop``: theta(t)'s schedule, when the model's forward can take the keywords the
+    engine will pass it in training (``progressive_layer_drop=True, pld_theta=theta``, as DeepSpeed)."""
+    section = cfg.progressive_layer_drop
+    if not section.enabled:
+        return None
+    schedule = LayerDropSchedule(theta=section.theta, gamma=section.gamma)
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: let the first forward tell
+        return schedule
+    takes = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    if not any(p.kind is p.VAR_KEYWORD for p in parameters) and not {"progressive_layer_drop", "pld_theta"} <= takes:
+        raise ConfigError(f"progressive_layer_drop.enabled=true: the engine passes progressive_layer_drop=True and "
+                          f"pld_theta=<theta(t)> to every training forward (as DeepSpeed), but "
+                          f"{type(model).__name__}.forward does not accept them; add keyword parameters "
+                          f"progressive_layer_drop: bool = False, pld_theta: float = 1.0 (and drop blocks with "
+                          f"zerospeed.layer_drop.LayerDropPlan), or set progressive_layer_drop.enabled to false")
+    return schedule
 
 
 def _timers(cfg: Config) -> PhaseTimers:

@@ -161,10 +161,11 @@ class CheckpointConfig(Section):
 
 
 class ProgressiveLayerDropConfig(Section):
-    """``progressive_layer_drop``."""
+    """``progressive_layer_drop`` (DeepSpeed 0.19.6; removed in 0.19.8): ``theta`` is the keep ratio theta(t)
+    tends to (a probability, so at most 1; DeepSpeed does not check it), ``gamma`` its decay rate."""
 
     enabled: Annotated[bool, zbool()] = False
-    theta: Annotated[float, zfloat(ge=0)] = 1.0
+    theta: Annotated[float, zfloat(ge=0, le=1)] = 1.0
     gamma: Annotated[float, zfloat(ge=0)] = 0.001
 
 

@@ -58,6 +58,10 @@ def check_config(cfg: Config, module: PipelineModule, zero: ZeroPolicy) -> None:
         raise ConfigError(f"zero_optimization.stage={zero.stage}: pipeline parallelism runs with ZeRO stages 0, 1 "
                           "and 2 (stage 3 gathers parameters in every forward, which the stages' own layers make "
                           "unnecessary); set zero_optimization.stage to 1 or 2")
+    if cfg.progressive_layer_drop.enabled:
+        raise ConfigError("progressive_layer_drop.enabled=true: not supported with a PipelineModule (its forward "
+                          "takes one input, so the pld_theta keyword has nowhere to go; DeepSpeed 0.19.6 fails there "
+                          "too); set progressive_layer_drop.enabled to false or train without pipeline stages")
     for key, offloaded in (("offload_optimizer", zero.offloads_optimizer), ("offload_param", zero.offload_param.enabled)):
         if offloaded:
             raise ConfigError(f"zero_optimization.{key}: offloading is not supported with pipeline parallelism "

@@ -23,10 +23,11 @@ import tempfile
 import threading
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -193,3 +194,25 @@ def _stack_dumps(procs: list, ranks: list[int], stacks: Path) -> str:
         text = (stacks / f"rank{rank}.txt").read_text(errors="replace").strip()
         parts.append(f"\n--- rank {rank} stack ---\n{text or '(no stack dump)'}")
     return "".join(parts)
+
+
+@contextmanager
+def one_process_group() -> Iterator[None]:
+    """A one-rank gloo group in this process for the duration (engines built in-process, no spawn); left
+    alone when a group already runs. Restores the environment and destroys the group afterwards."""
+    if dist.is_initialized():
+        yield
+        return
+    from zerospeed.distributed.defaults import free_port
+    from zerospeed.distributed.env import init_distributed
+
+    saved = dict(os.environ)
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR=_HOST, MASTER_PORT=str(free_port()))
+    init_distributed(dist_backend="gloo")
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved)
