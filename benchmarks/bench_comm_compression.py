@@ -26,8 +26,8 @@ Per side and rate: the warm-up time (the first ``--warmup`` steps: 1-bit Adam's 
 mean step time over the following ``--steps`` steps (a barrier aligns the ranks before each step; a
 step's time is the slower rank's), the
 ratio to Adam, the training loss of the last step (mean over ranks), the loss of rank 0's model on a
-held-out batch after the run, and for the zerospeed sides the collective payload per steady step from
-``engine.comm.stats``.
+held-out batch after the run, and for the zerospeed sides the bytes each rank sent per steady step from
+``engine.comm_bytes()``.
 
     python benchmarks/bench_comm_compression.py [--rates 1000,100] [--warmup 10] [--steps 30] [--quick]
 """
@@ -160,10 +160,8 @@ def make_side(side: str, spec: dict) -> Side:
         engine.step()
         return float(loss.detach())
 
-    def sent() -> int:  # the engine's Comm, plus the optimizer's own if it keeps one
-        stats = {id(c.stats): c.stats for c in (engine.comm, getattr(engine.optimizer, "comm", None))
-                 if c is not None and hasattr(c, "stats")}
-        return sum(s.total_bytes for s in stats.values())
+    def sent() -> int:  # bytes this rank put on the wire, every collective of the engine's mesh
+        return int(engine.comm_bytes()["total_sent"])
 
     return Side(step, engine.module, sent)
 

@@ -43,6 +43,7 @@ class OnebitAdam(OneBitOptimizer):
         self.cuda_aware = cuda_aware
         self.initialized = False  # DeepSpeed's first step() only sets the state up
         self.frozen = False  # the variance is frozen and the momentum travels compressed
+        self._denominators: dict[torch.Tensor, torch.Tensor] = {}  # sqrt(frozen variance) + eps, per parameter
 
     def reduces_gradients(self) -> bool:
         return not self.frozen
@@ -88,9 +89,15 @@ class OnebitAdam(OneBitOptimizer):
                 if mask is not None:  # momenta that must stay exactly zero (compression cannot say 0)
                     for exp_avg in momenta:
                         exp_avg.mul_(mask.to(exp_avg.device))
+            frozen_variance = self.frozen and not group.get("non_freeze", False)
             for p in params:
                 state = self.state[p]
-                update = state["exp_avg"] / (state["exp_avg_sq"].sqrt() + group["eps"])
+                denominator = self._denominators.get(p) if frozen_variance else None
+                if denominator is None:
+                    denominator = state["exp_avg_sq"].sqrt() + group["eps"]
+                    if frozen_variance:  # the same values every step from here on: computed once
+                        self._denominators[p] = denominator
+                update = state["exp_avg"] / denominator
                 if group["weight_decay"] > 0.0:
                     update += group["weight_decay"] * p
                 p.add_(-group["lr"] * update)
@@ -103,6 +110,7 @@ class OnebitAdam(OneBitOptimizer):
 
     def sync_phase(self) -> None:
         """Warm-up or compression from the saved step counts (after any state restore)."""
+        self._denominators.clear()
         steps = [s["step"] for s in self.state.values() if "step" in s]
         if steps:
             self.initialized = True
