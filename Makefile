@@ -43,6 +43,7 @@ bench: install
 	$(BIN)/python benchmarks/bench_comm.py
 	$(BIN)/python benchmarks/bench_ddp.py
 	$(BIN)/python benchmarks/bench_comm_compression.py --quick
+	$(BIN)/python benchmarks/bench_onebit.py --quick
 	$(BIN)/python benchmarks/bench_zero.py --quick
 	$(BIN)/python benchmarks/bench_checkpoint.py --quick
 	$(BIN)/python benchmarks/bench_cpu_adam.py --quick
