@@ -268,7 +268,8 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         """Bytes this rank sent on the wire (``Comm.stats.sent``), per collective as ``"<axis>.<op>"``:
         ``step`` over the last accumulation window (its backward reductions, its optimizer step and
         anything else since the window before), ``total`` since the mesh's Comms were made (the start-up
-        broadcasts included); ``step_total`` and ``total_sent`` sum them. Shows what a compressed optimizer or sparse gradients save."""
+        broadcasts included); ``step_total`` and ``total_sent`` sum them. Shows what a compressed
+        optimizer or sparse gradients save."""
         total = {f"{axis}.{op}": n for axis, comm in self.mesh.comms.items() for op, n in comm.stats.sent.items() if n}
         return {"step": dict(self._window_sent), "step_total": sum(self._window_sent.values()),
                 "total": total, "total_sent": sum(total.values())}
