@@ -215,6 +215,8 @@ def train_all(sides: dict[str, Side], spec: dict, table: torch.Tensor, rank: int
     out: dict[str, dict] = dict(failed)
     all_times = [None] * dist.get_world_size()
     dist.all_gather_object(all_times, times)
+    all_losses = [None] * dist.get_world_size()
+    dist.all_gather_object(all_losses, losses)
     held_out = batch(spec, table, -1, 0)
     for name, side in sides.items():
         if name in failed:
@@ -226,7 +228,9 @@ def train_all(sides: dict[str, Side], spec: dict, table: torch.Tensor, rank: int
         with torch.no_grad():
             side.model.eval()
             eval_loss = float(side.model(*held_out))
+        mean_losses = [statistics.fmean(step) for step in zip(*(per_rank[name] for per_rank in all_losses))]
         out[name] = {"status": "ok", "warmup_s": sum(warm), "mean_step_s": statistics.fmean(steady),
+                     "step_s": slowest, "losses": mean_losses,
                      "median_step_s": statistics.median(steady), "train_loss": float(last) / dist.get_world_size(),
                      "eval_loss": eval_loss, "first_loss": losses[name][0],
                      "payload_bytes": ((side.sent() - sent_after_warmup[name]) / spec["steps"]
@@ -313,8 +317,30 @@ def report(rate: float, measured_mbit: float, spec: dict, res: dict) -> None:
             p, o = ok["powersgd"], ok["onebit"]
             print(f"1-bit Adam vs PowerSGD: {p['mean_step_s'] / o['mean_step_s']:.2f}x faster per step, eval loss "
                   f"{o['eval_loss']:.3f} vs {p['eval_loss']:.3f}")
+        if "powersgd" in ok:
+            time_to_equal_loss(ok["onebit"], ok["powersgd"])
     elif "onebit" not in ok:
         print("1-bit Adam targets (>= 3x Adam on the slow link, faster than PowerSGD at equal loss): not measured")
+
+
+def smoothed(losses: list[float], window: int = 10) -> list[float]:
+    """Each step's training loss averaged with the ``window - 1`` before it (the batches differ step to step)."""
+    return [statistics.fmean(losses[max(0, i - window + 1): i + 1]) for i in range(len(losses))]
+
+
+def time_to_equal_loss(onebit: dict, powersgd: dict) -> None:
+    """Seconds (warm-up included) each side needs until its smoothed training loss first reaches the loss both
+    reach: the higher of the two final smoothed losses."""
+    curves = {"1-bit Adam": (smoothed(onebit["losses"]), onebit["step_s"]),
+              "PowerSGD": (smoothed(powersgd["losses"]), powersgd["step_s"])}
+    target = max(curve[-1] for curve, _ in curves.values())
+    reached = {}
+    for name, (curve, step_s) in curves.items():
+        step = next(i for i, loss in enumerate(curve) if loss <= target)
+        reached[name] = (step + 1, sum(step_s[: step + 1]))
+    (o_steps, o_s), (p_steps, p_s) = reached["1-bit Adam"], reached["PowerSGD"]
+    print(f"time to the smoothed training loss both reach ({target:.3f}): 1-bit Adam {o_s:.1f} s ({o_steps} steps), "
+          f"PowerSGD {p_s:.1f} s ({p_steps} steps): 1-bit Adam {p_s / o_s:.2f}x faster at equal loss")
 
 
 def main() -> None:

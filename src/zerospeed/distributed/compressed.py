@@ -227,12 +227,10 @@ def compress_to_servers(comm: Comm, buffer: torch.Tensor, worker_error: torch.Te
         return ServerChunk(empty.to(torch.uint8), buffer.new_zeros(()), empty)
     compensated = worker_error.add_(buffer)  # the error buffer is the workspace: no extra n floats
     scale = _scale(compensated)
-    bits = _nonnegative(compensated)
-    # scale * sign(x) as copysign(scale, x): one pass instead of four. It differs from the rule only
-    # at -0.0 (copysign gives -scale), which adding +0.0 turns into +0.0 and leaves every other x
-    # as it is; at NaN both are NaN (the scale is then NaN too).
-    worker_error.sub_(torch.copysign(scale, compensated.add_(0.0)))
-    packed = _pack_bits(bits).view(world, chunk // BITS_PER_BYTE)
+    packed = _pack_bits(_nonnegative(compensated)).view(world, chunk // BITS_PER_BYTE)
+    # scale * sign(x), read back from the packed signs (a table lookup per byte: several times faster
+    # on CPU than copysign with a 0-d scale, and the same ±scale values)
+    worker_error.sub_(_decompress(packed, scale.reshape(1, 1).expand(world, 1)).view(-1))
     raw_scale = scale.reshape(1).view(torch.uint8)
     send = torch.cat([packed, raw_scale.expand(world, _SCALE_BYTES)], dim=1)
     recv = torch.empty_like(send)

@@ -42,6 +42,7 @@ class CompressedMomentum:
         self.worker_error = torch.zeros(self.padded, dtype=torch.float32, device=device)
         self.server_error = torch.zeros(self.padded // world, dtype=torch.float32, device=device)
         self.padding = torch.zeros(self.padded - numel, dtype=torch.float32, device=device)
+        self._buffer: torch.Tensor | None = None  # the exchange's workspace (the padded momenta)
 
     def exchange(self, comm: Comm, tensors: Sequence[torch.Tensor], carry_padding: bool = False) -> None:
         """Replace ``tensors`` (this rank's momenta, fp32) by their compressed average over ``comm``.
@@ -49,7 +50,9 @@ class CompressedMomentum:
         DeepSpeed's persistent fused buffer (1-bit LAMB), instead of zeros."""
         from zerospeed.distributed.compressed import compressed_allreduce
 
-        buffer = torch.zeros(self.padded, dtype=torch.float32, device=self.worker_error.device)
+        if self._buffer is None:  # kept between steps: a fresh large tensor each step costs page faults
+            self._buffer = torch.empty(self.padded, dtype=torch.float32, device=self.worker_error.device)
+        buffer = self._buffer
         offset = 0
         for t in tensors:
             buffer[offset: offset + t.numel()].copy_(t.reshape(-1))
@@ -57,6 +60,8 @@ class CompressedMomentum:
         assert offset == self.numel, "the group's momenta are laid out as at the start"
         if carry_padding:
             buffer[self.numel:].copy_(self.padding)
+        else:
+            buffer[self.numel:].zero_()
         compressed_allreduce(comm, buffer, self.worker_error, self.server_error)
         if carry_padding:
             self.padding.copy_(buffer[self.numel:])
