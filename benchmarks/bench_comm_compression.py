@@ -317,10 +317,10 @@ def report(rate: float, measured_mbit: float, spec: dict, res: dict) -> None:
             p, o = ok["powersgd"], ok["onebit"]
             print(f"1-bit Adam vs PowerSGD: {p['mean_step_s'] / o['mean_step_s']:.2f}x faster per step, eval loss "
                   f"{o['eval_loss']:.3f} vs {p['eval_loss']:.3f}")
-        if "powersgd" in ok:
-            time_to_equal_loss(ok["onebit"], ok["powersgd"])
     elif "onebit" not in ok:
         print("1-bit Adam targets (>= 3x Adam on the slow link, faster than PowerSGD at equal loss): not measured")
+    if "onebit" in ok and "powersgd" in ok:
+        time_to_equal_loss(ok["onebit"], ok["powersgd"])
 
 
 def smoothed(losses: list[float], window: int = 10) -> list[float]:
