@@ -258,3 +258,20 @@ def test_an_overflow_on_one_rank_in_the_compressed_phase_skips_the_step_everywhe
     assert r["skipped"] == [0, 0, 0, 0, 1, 1]
     assert r["moved"] == [False, True, True, True, False, True]  # the set-up step and the skipped one
     assert r["scale"][4] == r["scale"][3] / 2
+
+
+def _memory_case() -> dict[str, int]:
+    engine, opt = _engine(2)
+    numel = sum(p.numel() for p in engine.module.parameters())
+    _train(engine, 2, 1)
+    before = engine.memory_breakdown()["optimizer_states"]
+    _train(engine, 2, 1, start=2)  # the compressed phase: error buffers, workspace, frozen denominators
+    return {"numel": numel, "before": before, "after": engine.memory_breakdown()["optimizer_states"]}
+
+
+def test_memory_breakdown_counts_the_compression_buffers() -> None:
+    r = run_distributed(_memory_case, 2)[0]
+    padded = padded_length(r["numel"], 2)
+    # worker error + server error (a chunk) + padding carry + the padded workspace + sqrt(v) + eps per element
+    side = 4 * (padded + padded // 2 + (padded - r["numel"]) + padded + r["numel"])
+    assert r["after"] - r["before"] == side, (r, side)

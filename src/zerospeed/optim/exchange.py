@@ -13,7 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from zerospeed.distributed.comm import Comm
 
-__all__ = ["ExchangingOptimizer", "RankLocalState"]
+__all__ = ["ExchangingOptimizer", "HoldsSideTensors", "RankLocalState"]
 
 
 @runtime_checkable
@@ -39,3 +39,12 @@ class RankLocalState(Protocol):
     def load_rank_states(self, saved: list[dict[str, Any]], rank: int, world_size: int) -> None:
         """Restore from every saved rank's :meth:`rank_state` (in saved rank order), for ``rank`` of
         ``world_size`` now: the same layout restores exactly, another one is reshaped."""
+
+
+@runtime_checkable
+class HoldsSideTensors(Protocol):
+    """An optimizer keeping tensors outside ``optimizer.state`` (compression buffers), so a model
+    state's memory accounting can count them."""
+
+    def side_tensors(self) -> list:
+        """Those tensors (``list[torch.Tensor]``)."""

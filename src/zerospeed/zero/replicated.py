@@ -15,7 +15,7 @@ from torch import nn
 
 from zerospeed.distributed.comm import Comm
 from zerospeed.offload.run import IoStats
-from zerospeed.optim.exchange import ExchangingOptimizer
+from zerospeed.optim.exchange import ExchangingOptimizer, HoldsSideTensors
 from zerospeed.sharding.slots import ParamInfo, Slot, even_split
 from zerospeed.zero.contract import CheckpointGroups, ParamOwner
 from zerospeed.zero.grads import GradBuckets, ReductionPolicy
@@ -186,6 +186,8 @@ class ReplicatedState:
         if self.optimizer is not None:
             for master in self.master_params:
                 out += [v for v in self.optimizer.state.get(master, {}).values() if isinstance(v, torch.Tensor)]
+            if isinstance(self.optimizer, HoldsSideTensors):  # 1-bit compression buffers
+                out += self.optimizer.side_tensors()
         return out
 
     # -- checkpoints -------------------------------------------------------------------------

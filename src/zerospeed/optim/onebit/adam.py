@@ -108,6 +108,9 @@ class OnebitAdam(OneBitOptimizer):
             self.frozen = True
         return loss
 
+    def side_tensors(self) -> list[torch.Tensor]:
+        return super().side_tensors() + list(self._denominators.values())
+
     def sync_phase(self) -> None:
         """Warm-up or compression from the saved step counts (after any state restore)."""
         self._denominators.clear()

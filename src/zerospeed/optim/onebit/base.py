@@ -155,6 +155,15 @@ class OneBitOptimizer(Optimizer):
         """Drop the error buffers (0/1 Adam restarts them when its variance freezes)."""
         self._momenta.clear()
 
+    def side_tensors(self) -> list[torch.Tensor]:
+        """The compression buffers (error feedback, workspace): kept outside ``self.state``."""
+        out: list[torch.Tensor] = []
+        for momentum in self._momenta.values():
+            out += [momentum.worker_error, momentum.server_error, momentum.padding]
+            if momentum._buffer is not None:
+                out.append(momentum._buffer)
+        return out
+
     # -- per-rank checkpoint state ------------------------------------------------------------
     def rank_state(self) -> dict[str, Any]:
         return {"format": 1, "groups": {i: m.saved() for i, m in self._momenta.items()}, **self._rank_extra()}
