@@ -17,7 +17,7 @@ from typing import Any, Iterable
 import torch
 
 from zerospeed.distributed.comm import Comm
-from zerospeed.optim.onebit.base import OneBitOptimizer
+from zerospeed.optim.onebit.base import OneBitOptimizer, grad_of
 
 __all__ = ["OnebitAdam"]
 
@@ -26,22 +26,20 @@ class OnebitAdam(OneBitOptimizer):
     """DeepSpeed's signature; ``bias_correction``, ``eps_inside_sqrt``, ``max_grad_norm`` and
     ``cuda_aware`` are accepted and, as in DeepSpeed, do not change the update."""
 
+    algorithm = "1-bit Adam"
+
     def __init__(self, params: Iterable[Any], deepspeed: Any = None, lr: float = 1e-3, freeze_step: int = 100000,
                  bias_correction: bool = True, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  eps_inside_sqrt: bool = False, weight_decay: float = 0.0, max_grad_norm: float = 0.0,
                  amsgrad: bool = False, cuda_aware: bool = False, comm_backend_name: str = "nccl", *,
                  comm: Comm | None = None):
-        if amsgrad:
-            raise ValueError("amsgrad: 1-bit Adam has no AMSGrad variant; remove the key")
         if freeze_step < 1:
             raise ValueError(f"freeze_step: {freeze_step} must be >= 1 (the number of uncompressed warm-up steps)")
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
                         weight_decay=weight_decay, max_grad_norm=max_grad_norm)
-        super().__init__(params, defaults, comm_backend_name=comm_backend_name, deepspeed=deepspeed, comm=comm)
+        super().__init__(params, defaults, comm_backend_name=comm_backend_name, amsgrad=amsgrad,
+                         eps_inside_sqrt=eps_inside_sqrt, cuda_aware=cuda_aware, deepspeed=deepspeed, comm=comm)
         self.freeze_step = freeze_step
-        self.eps_inside_sqrt = eps_inside_sqrt  # DeepSpeed keeps it but its update never reads it
-        self.cuda_aware = cuda_aware
-        self.initialized = False  # DeepSpeed's first step() only sets the state up
         self.frozen = False  # the variance is frozen and the momentum travels compressed
         self._denominators: dict[torch.Tensor, torch.Tensor] = {}  # sqrt(frozen variance) + eps, per parameter
 
@@ -50,16 +48,11 @@ class OnebitAdam(OneBitOptimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._closure_loss(closure)
         last: dict[str, Any] | None = None
         for index, group in enumerate(self.param_groups):
-            params = [p for p in group["params"] if p.grad is not None]
+            params = self._with_grads(group)
             for p in params:
-                if p.grad.is_sparse:
-                    raise RuntimeError("1-bit Adam does not support sparse gradients")
                 state = self.state[p]
                 if not state:
                     state["step"] = 0
@@ -72,7 +65,7 @@ class OnebitAdam(OneBitOptimizer):
             beta1, beta2 = group["betas"]
             if not self.frozen or group.get("non_freeze", False):
                 for p in params:
-                    grad = p.grad
+                    grad = grad_of(p)
                     if self.frozen:  # DeepSpeed's per-group escape: averaged exactly, variance kept moving
                         grad = grad.clone()
                         self.comm.all_reduce(grad, "avg")
@@ -85,10 +78,7 @@ class OnebitAdam(OneBitOptimizer):
                     exp_avg.mul_(beta1).add_(p.grad, alpha=1 - beta1)
                 if self.world_size > 1:
                     self.momentum_buffers(index, momenta).exchange(self.comm, momenta)
-                mask = group.get("exp_avg_mask")
-                if mask is not None:  # momenta that must stay exactly zero (compression cannot say 0)
-                    for exp_avg in momenta:
-                        exp_avg.mul_(mask.to(exp_avg.device))
+                self._mask(group, momenta)
             frozen_variance = self.frozen and not group.get("non_freeze", False)
             for p in params:
                 state = self.state[p]

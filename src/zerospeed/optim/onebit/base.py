@@ -24,6 +24,12 @@ __all__ = ["COMM_BACKENDS", "CompressedMomentum", "OneBitOptimizer", "padded_len
 COMM_BACKENDS = ("nccl", "mpi", "hccl", "compressed")
 
 
+def grad_of(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's gradient: only parameters that received one step (:meth:`OneBitOptimizer._with_grads`)."""
+    assert p.grad is not None, "only parameters with gradients step"
+    return p.grad
+
+
 def padded_length(numel: int, world: int) -> int:
     """DeepSpeed's corrected size: ``numel`` rounded up to a multiple of ``world * lcm(world, 8)``."""
     unit = world * (world * 8 // math.gcd(world, 8))
@@ -108,8 +114,16 @@ class OneBitOptimizer(Optimizer):
     (:meth:`bind_exchange`); an optimizer built outside ``zerospeed.initialize`` can be given one.
     """
 
+    #: The algorithm's name in errors ("1-bit Adam"...).
+    algorithm = "1-bit optimizer"
+
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], *, comm_backend_name: str,
+                 amsgrad: bool = False, eps_inside_sqrt: bool = False, cuda_aware: bool = False,
                  deepspeed: Any = None, comm: Comm | None = None):
+        """``amsgrad`` is refused; ``eps_inside_sqrt`` and ``cuda_aware`` are kept, as DeepSpeed keeps them,
+        and change nothing (its updates never read them)."""
+        if amsgrad:
+            raise ValueError(f"amsgrad: {self.algorithm} has no AMSGrad variant; remove the key")
         if comm_backend_name not in COMM_BACKENDS:
             raise ValueError(f"comm_backend_name: {comm_backend_name!r} is not one of {', '.join(COMM_BACKENDS)} "
                              f"(all of them run the same compressed exchange over the process group)")
@@ -119,6 +133,33 @@ class OneBitOptimizer(Optimizer):
         if comm is None and isinstance(getattr(deepspeed, "comm", None), Comm):
             self._comm = deepspeed.comm  # DeepSpeed's ``deepspeed=engine`` argument
         self._momenta: dict[int, CompressedMomentum] = {}
+        self.eps_inside_sqrt = eps_inside_sqrt
+        self.cuda_aware = cuda_aware
+        self.initialized = False  # DeepSpeed's first step() only sets the state up
+
+    # -- what every step does ---------------------------------------------------------------
+    @staticmethod
+    def _closure_loss(closure: Any) -> Any:
+        """``closure()`` with gradients on (``step`` runs under ``no_grad``), or None without one."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
+    def _with_grads(self, group: dict[str, Any]) -> list[torch.Tensor]:
+        """The group's parameters that received a gradient; sparse gradients are refused."""
+        params = [p for p in group["params"] if p.grad is not None]
+        if any(p.grad.is_sparse for p in params):
+            raise RuntimeError(f"{self.algorithm} does not support sparse gradients")
+        return params
+
+    @staticmethod
+    def _mask(group: dict[str, Any], tensors: Sequence[torch.Tensor]) -> None:
+        """DeepSpeed's ``exp_avg_mask``: values that must stay exactly zero (compression cannot say 0)."""
+        mask = group.get("exp_avg_mask")
+        if mask is not None:
+            for t in tensors:
+                t.mul_(mask.to(t.device))
 
     # -- ranks ------------------------------------------------------------------------------
     def bind_exchange(self, comm: Comm) -> None:

@@ -54,14 +54,14 @@ class OnebitLamb(OneBitOptimizer):
     """DeepSpeed's signature; ``bias_correction``, ``eps_inside_sqrt``, ``max_grad_norm`` and
     ``cuda_aware`` are accepted and, as in DeepSpeed, do not change the update."""
 
+    algorithm = "1-bit LAMB"
+
     def __init__(self, params: Iterable[Any], deepspeed: Any = None, lr: float = 1e-3, freeze_step: int = 100000,
                  bias_correction: bool = True, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  eps_inside_sqrt: bool = False, weight_decay: float = 0.0, max_grad_norm: float = 0.0,
                  max_coeff: float = 10.0, min_coeff: float = 0.01, amsgrad: bool = False, cuda_aware: bool = False,
                  comm_backend_name: str = "nccl", coeff_beta: float = 0.9, factor_max: float = 4.0,
                  factor_min: float = 0.5, factor_threshold: float = 0.1, *, comm: Comm | None = None):
-        if amsgrad:
-            raise ValueError("amsgrad: 1-bit LAMB has no AMSGrad variant; remove the key")
         if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
             raise ValueError(f"freeze_step: {freeze_step!r} must be an integer >= 1 (the last uncompressed "
                              f"warm-up step)")
@@ -78,16 +78,13 @@ class OnebitLamb(OneBitOptimizer):
                              f"move in one step)")
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay,
                         max_grad_norm=max_grad_norm, max_coeff=max_coeff, min_coeff=min_coeff)
-        super().__init__(_without_empty(params), defaults, comm_backend_name=comm_backend_name,
-                         deepspeed=deepspeed, comm=comm)
+        super().__init__(_without_empty(params), defaults, comm_backend_name=comm_backend_name, amsgrad=amsgrad,
+                         eps_inside_sqrt=eps_inside_sqrt, cuda_aware=cuda_aware, deepspeed=deepspeed, comm=comm)
         self.freeze_step = freeze_step
         self.coeff_beta = coeff_beta
         self.factor_max = factor_max
         self.factor_min = factor_min
         self.factor_threshold = factor_threshold
-        self.eps_inside_sqrt = eps_inside_sqrt  # DeepSpeed keeps it but its update never reads it
-        self.cuda_aware = cuda_aware
-        self.initialized = False  # DeepSpeed's first step() only sets the state up
         self.frozen = False  # DeepSpeed's lamb_freeze_key: the momentum travels compressed
         self.lamb_coeffs: list[float] = []  # this step's coefficients, in parameter order
 
@@ -104,10 +101,7 @@ class OnebitLamb(OneBitOptimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._closure_loss(closure)
         self.lamb_coeffs.clear()
         compressing = self.frozen and self.initialized
         last_momenta: dict[int, torch.Tensor] = {}
@@ -117,11 +111,7 @@ class OnebitLamb(OneBitOptimizer):
         last: dict[str, Any] | None = None
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("1-bit LAMB does not support sparse gradients")
+            for p in self._with_grads(group):
                 state = self.state[p]
                 if "step" not in state:
                     state.update(step=0, lamb_coeff_freeze=0.0, last_factor=1.0, exp_avg=torch.zeros_like(p),
@@ -192,9 +182,7 @@ class OnebitLamb(OneBitOptimizer):
         beta1, beta2 = group["betas"]
         exp_avg = state["exp_avg"]
         exp_avg.div_(state["scaling_coeff"])
-        mask = group.get("exp_avg_mask")
-        if mask is not None:  # momenta that must stay exactly zero (compression cannot say 0)
-            exp_avg.mul_(mask.to(exp_avg.device))
+        self._mask(group, [exp_avg])
         grad = (exp_avg - last_momentum * beta1) / (1 - beta1)
         state["exp_avg_sq_fresh"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         denom = state["exp_avg_sq"].sqrt() + group["eps"]

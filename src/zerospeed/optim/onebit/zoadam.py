@@ -34,7 +34,7 @@ from typing import Any, Iterable
 import torch
 
 from zerospeed.distributed.comm import Comm
-from zerospeed.optim.onebit.base import OneBitOptimizer
+from zerospeed.optim.onebit.base import OneBitOptimizer, grad_of
 
 __all__ = ["ZeroOneAdam"]
 
@@ -47,14 +47,11 @@ def _at_least(name: str, value: int, low: int, why: str) -> None:
         raise ValueError(f"{name}: {value!r} must be an integer >= {low} ({why})")
 
 
-def _grad(p: torch.Tensor) -> torch.Tensor:
-    assert p.grad is not None, "only parameters with gradients step"
-    return p.grad
-
-
 class ZeroOneAdam(OneBitOptimizer):
     """DeepSpeed's signature; ``bias_correction``, ``eps_inside_sqrt``, ``max_grad_norm`` and
     ``cuda_aware`` are accepted and, as in DeepSpeed, do not change the update."""
+
+    algorithm = "0/1 Adam"
 
     def __init__(self, params: Iterable[Any], deepspeed: Any = None, lr: float = 1e-3, bias_correction: bool = True,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, eps_inside_sqrt: bool = False,
@@ -62,22 +59,18 @@ class ZeroOneAdam(OneBitOptimizer):
                  var_update_scaler: int = 16, local_step_scaler: int = 32678, local_step_clipper: int = 16,
                  amsgrad: bool = False, cuda_aware: bool = False, comm_backend_name: str = "nccl", *,
                  comm: Comm | None = None):
-        if amsgrad:
-            raise ValueError("amsgrad: 0/1 Adam has no AMSGrad variant; remove the key")
         _at_least("var_freeze_step", var_freeze_step, 0, "the last step that may update the variance")
         _at_least("var_update_scaler", var_update_scaler, 1, "variance updates before their interval doubles")
         _at_least("local_step_scaler", local_step_scaler, 1, "steps before the local step interval doubles")
         _at_least("local_step_clipper", local_step_clipper, 1, "the largest local step interval")
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
                         weight_decay=weight_decay, max_grad_norm=max_grad_norm)
-        super().__init__(params, defaults, comm_backend_name=comm_backend_name, deepspeed=deepspeed, comm=comm)
+        super().__init__(params, defaults, comm_backend_name=comm_backend_name, amsgrad=amsgrad,
+                         eps_inside_sqrt=eps_inside_sqrt, cuda_aware=cuda_aware, deepspeed=deepspeed, comm=comm)
         self.var_freeze_step = var_freeze_step
         self.var_update_scaler = var_update_scaler
         self.local_step_scaler = local_step_scaler
         self.local_step_clipper = local_step_clipper
-        self.eps_inside_sqrt = eps_inside_sqrt  # DeepSpeed keeps it but its update never reads it
-        self.cuda_aware = cuda_aware
-        self.initialized = False  # DeepSpeed's first step() only sets the state up
         self.frozen = False  # DeepSpeed's freeze_key: the variance is frozen, steps are local
         self.allreduce_next = True  # DeepSpeed's enable_backward_allreduce, for the coming window
         self._own_pending: list[dict[str, Any]] = []  # a checkpoint's rank-local values, being restored
@@ -87,15 +80,10 @@ class ZeroOneAdam(OneBitOptimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._closure_loss(closure)
         for index, group in enumerate(self.param_groups):
-            params = [p for p in group["params"] if p.grad is not None]
+            params = self._with_grads(group)
             for p in params:
-                if p.grad.is_sparse:
-                    raise RuntimeError("0/1 Adam does not support sparse gradients")
                 state = self.state[p]
                 if not state:
                     self._init_state(p)
@@ -118,12 +106,6 @@ class ZeroOneAdam(OneBitOptimizer):
                              momentum_accumulator=torch.zeros_like(p), var_interval=1, var_counter=0,
                              local_step_interval=1, local_step_counter=0, lrs=0.0)
 
-    def _masked(self, group: dict[str, Any], tensors: list[torch.Tensor]) -> None:
-        mask = group.get("exp_avg_mask")
-        if mask is not None:  # values that must stay exactly zero (compression cannot say 0)
-            for t in tensors:
-                t.mul_(mask.to(t.device))
-
     def _step_group(self, index: int, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         beta1, beta2 = group["betas"]
         states = [self.state[p] for p in params]
@@ -137,9 +119,9 @@ class ZeroOneAdam(OneBitOptimizer):
                 else:
                     exchanged.append((p, state))
             if exchanged and world > 1:
-                grads = [_grad(p).float().clone() for p, _ in exchanged]
+                grads = [grad_of(p).float().clone() for p, _ in exchanged]
                 self.momentum_buffers(index, grads).exchange(self.comm, grads)
-                self._masked(group, grads)
+                self._mask(group, grads)
                 for (_, state), grad in zip(exchanged, grads):
                     state["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
         else:
@@ -170,7 +152,7 @@ class ZeroOneAdam(OneBitOptimizer):
             buffers.append(buffer)
         if self.world_size > 1:
             self.momentum_buffers(index, buffers).exchange(self.comm, buffers)
-            self._masked(group, buffers)
+            self._mask(group, buffers)
         for p, state in meeting:
             buffer = state["momentum_accumulator"]
             state["exp_avg"].zero_().add_(buffer / state["lrs"], alpha=-1)
