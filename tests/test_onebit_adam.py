@@ -22,8 +22,9 @@ from zerospeed.distributed.compressed import simulate_compressed_allreduce
 from zerospeed.optim.onebit import OnebitAdam, padded_length
 from zerospeed.testing import run_distributed
 from zerospeed.testing.configs import train_config
-from zerospeed.testing.data import seeded_regression_batch
+from zerospeed.testing.data import seeded_regression_batch, train_on_regression_batches
 from zerospeed.testing.models import seeded_mlp
+from zerospeed.testing.parity import as_numpy_tree
 
 pytestmark = pytest.mark.spawns
 
@@ -44,15 +45,7 @@ def _engine(freeze_step: int, accum: int = 1, hidden: int = HIDDEN, **top: Any) 
 
 
 def _train(engine: Any, steps: int, accum: int, start: int = 0) -> list[float]:
-    losses = []
-    for step in range(start, start + steps):
-        for micro in range(accum):
-            x, y = seeded_regression_batch(step * accum + micro, engine.comm.rank, rows=ROWS, inputs=IN, outputs=OUT)
-            loss = nn.functional.mse_loss(engine(x), y)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-    return losses
+    return train_on_regression_batches(engine, steps, accum=accum, start=start, rows=ROWS, inputs=IN, outputs=OUT)
 
 
 def _replay(world: int, rank: int, start: list[torch.Tensor], grads: list[list[list[torch.Tensor]]],
@@ -163,17 +156,6 @@ def test_compressed_steps_send_a_twentieth_of_the_all_reduce() -> None:
         assert late == compressed
         assert sum(late.values()) <= dense / 20
 
-def _plain(value: Any) -> Any:
-    """Tensors as numpy arrays: a rank's result crosses a pipe after the rank has exited."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().numpy().copy()
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
 def _resume_case(path: str, world_before: int) -> dict[str, Any]:
     engine, opt = _engine(2)
     rank = engine.comm.rank
@@ -181,11 +163,11 @@ def _resume_case(path: str, world_before: int) -> dict[str, Any]:
         _train(engine, 4, 1)
         engine.save_checkpoint(path, tag="t")
         tail = _train(engine, 3, 1, start=4)
-        return _plain({"tail": tail, "params": list(engine.module.parameters()), "state": opt.rank_state()})
+        return as_numpy_tree({"tail": tail, "params": list(engine.module.parameters()), "state": opt.rank_state()})
     engine.load_checkpoint(path, tag="t")
     state = opt.rank_state()
     tail = _train(engine, 3, 1, start=4)
-    return _plain({"tail": tail, "params": list(engine.module.parameters()), "frozen": opt.frozen,
+    return as_numpy_tree({"tail": tail, "params": list(engine.module.parameters()), "frozen": opt.frozen,
                    "loaded_state": state, "rank": rank})
 
 
@@ -218,7 +200,7 @@ def _load_and_continue(path: str) -> dict[str, Any]:
     engine.load_checkpoint(path, tag="t")
     assert opt.frozen and opt.initialized
     tail = _train(engine, 3, 1, start=4)
-    return _plain({"tail": tail, "params": list(engine.module.parameters())})
+    return as_numpy_tree({"tail": tail, "params": list(engine.module.parameters())})
 
 
 def test_constructor_refusals() -> None:

@@ -25,8 +25,9 @@ from zerospeed.optim.factory import UNIMPLEMENTED
 from zerospeed.optim.onebit import OnebitLamb, padded_length
 from zerospeed.testing import run_distributed
 from zerospeed.testing.configs import train_config
-from zerospeed.testing.data import seeded_regression_batch
+from zerospeed.testing.data import train_on_regression_batches
 from zerospeed.testing.models import seeded_mlp
+from zerospeed.testing.parity import as_numpy_tree
 
 IN, HIDDEN, OUT, ROWS = 6, 10, 3, 4  # 103 elements: padded to 112 on 2 ranks, 128 on 4
 LR, BETAS, EPS, WD = 0.02, (0.9, 0.999), 1e-8, 0.01
@@ -49,15 +50,7 @@ def _engine(accum: int = 1) -> tuple[Any, Any]:
 
 
 def _train(engine: Any, steps: int, accum: int = 1, start: int = 0) -> list[float]:
-    losses = []
-    for step in range(start, start + steps):
-        for micro in range(accum):
-            x, y = seeded_regression_batch(step * accum + micro, engine.comm.rank, rows=ROWS, inputs=IN, outputs=OUT)
-            loss = nn.functional.mse_loss(engine(x), y)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-    return losses
+    return train_on_regression_batches(engine, steps, accum=accum, start=start, rows=ROWS, inputs=IN, outputs=OUT)
 
 
 def _clip(value: float, low: float, high: float) -> float:
@@ -185,23 +178,12 @@ def test_onebit_lamb_follows_deepspeeds_algorithm_exactly(world: int, accum: int
     assert all(r["coeffs"] == results[0]["coeffs"] for r in results)  # the averaged momentum is the same everywhere
 
 
-def _plain(value: Any) -> Any:
-    """Tensors as numpy arrays: a rank's result crosses a pipe after the rank has exited."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().numpy().copy()
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
 def _uninterrupted(path: str, save_at: int) -> dict[str, Any]:
     engine, opt = _engine()
     _train(engine, save_at)
     engine.save_checkpoint(path, tag="t")
     tail = _train(engine, 4, start=save_at)
-    return _plain({"tail": tail, "params": list(engine.module.parameters())})
+    return as_numpy_tree({"tail": tail, "params": list(engine.module.parameters())})
 
 
 def _resumed(path: str, save_at: int) -> dict[str, Any]:
@@ -211,7 +193,7 @@ def _resumed(path: str, save_at: int) -> dict[str, Any]:
     loaded = {"frozen": opt.frozen, "reduces": opt.reduces_gradients(),
               "scalars": [{k: v for k, v in opt.state[p].items() if not isinstance(v, torch.Tensor)} for p in masters]}
     tail = _train(engine, 4, start=save_at)
-    return _plain({"tail": tail, "params": list(engine.module.parameters()), **loaded})
+    return as_numpy_tree({"tail": tail, "params": list(engine.module.parameters()), **loaded})
 
 
 @pytest.mark.spawns

@@ -25,8 +25,9 @@ from zerospeed.optim.factory import UNIMPLEMENTED
 from zerospeed.optim.onebit import ZeroOneAdam, padded_length
 from zerospeed.testing import run_distributed
 from zerospeed.testing.configs import train_config
-from zerospeed.testing.data import seeded_regression_batch
+from zerospeed.testing.data import train_on_regression_batches
 from zerospeed.testing.models import seeded_mlp
+from zerospeed.testing.parity import as_numpy_tree
 
 IN, HIDDEN, OUT, ROWS = 6, 10, 3, 4
 LR, BETAS, EPS, WD = 0.01, (0.9, 0.999), 1e-8, 0.01
@@ -48,15 +49,7 @@ def _engine(accum: int = 1, **top: Any) -> tuple[Any, Any]:
 
 
 def _train(engine: Any, steps: int, accum: int = 1, start: int = 0) -> list[float]:
-    losses = []
-    for step in range(start, start + steps):
-        for micro in range(accum):
-            x, y = seeded_regression_batch(step * accum + micro, engine.comm.rank, rows=ROWS, inputs=IN, outputs=OUT)
-            loss = nn.functional.mse_loss(engine(x), y)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-    return losses
+    return train_on_regression_batches(engine, steps, accum=accum, start=start, rows=ROWS, inputs=IN, outputs=OUT)
 
 
 def _flat(tensors: list[torch.Tensor], padded: int) -> torch.Tensor:
@@ -209,17 +202,6 @@ def test_zero_one_adam_follows_deepspeeds_algorithm_exactly(world: int, accum: i
     assert results[0]["differ"]  # the local steps leave each rank its own parameters
 
 
-def _plain(value: Any) -> Any:
-    """Tensors as numpy arrays: a rank's result crosses a pipe after the rank has exited."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().float().numpy().copy()
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
 SAVE_AT = 11  # after optimizer step 11: in the local phase, mid local interval (the ranks last met at step 10)
 
 
@@ -228,7 +210,7 @@ def _uninterrupted(path: str, top: dict[str, Any]) -> dict[str, Any]:
     _train(engine, SAVE_AT)
     engine.save_checkpoint(path, tag="t")
     tail = _train(engine, 4, start=SAVE_AT)
-    return _plain({"tail": tail, "params": list(engine.module.parameters()),
+    return as_numpy_tree({"tail": tail, "params": list(engine.module.parameters()),
                    "lrs": [s["lrs"] for s in opt.state.values()]})
 
 
@@ -238,7 +220,7 @@ def _resumed(path: str, top: dict[str, Any]) -> dict[str, Any]:
     loaded = {"frozen": opt.frozen, "initialized": opt.initialized, "reduces": opt.reduces_gradients(),
               "intervals": sorted({s["local_step_interval"] for s in opt.state.values()})}
     tail = _train(engine, 4, start=SAVE_AT)
-    return _plain({"tail": tail, "params": list(engine.module.parameters()), **loaded})
+    return as_numpy_tree({"tail": tail, "params": list(engine.module.parameters()), **loaded})
 
 
 @pytest.mark.spawns

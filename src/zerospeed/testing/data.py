@@ -7,6 +7,8 @@ or re-run engine sees exactly the data of the uninterrupted one.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 _STEP_STRIDE = 100  # seed = 100 * step + rank: distinct for every (step, rank) with fewer than 100 ranks
@@ -25,3 +27,20 @@ def seeded_regression_batch(step: int, rank: int, *, rows: int, inputs: int,
     generator seeded by ``(step, rank)`` alone."""
     gen = torch.Generator().manual_seed(_STEP_STRIDE * step + rank)
     return torch.randn(rows, inputs, generator=gen), torch.randn(rows, outputs, generator=gen)
+
+
+def train_on_regression_batches(engine: Any, steps: int, *, accum: int, start: int, rows: int, inputs: int,
+                                outputs: int) -> list[float]:
+    """Optimizer steps ``start .. start + steps - 1`` of ``engine`` (a model mapping ``inputs`` to ``outputs``
+    features), each over ``accum`` micro-batches of :func:`seeded_regression_batch` (seeded by the
+    micro-batch's global index and the rank), with an MSE loss; returns every micro-batch's loss."""
+    losses = []
+    for step in range(start, start + steps):
+        for micro in range(accum):
+            x, y = seeded_regression_batch(step * accum + micro, engine.comm.rank, rows=rows, inputs=inputs,
+                                           outputs=outputs)
+            loss = torch.nn.functional.mse_loss(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    return losses

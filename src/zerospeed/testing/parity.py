@@ -44,3 +44,19 @@ def assert_close_tree(actual: Any, expected: Any, *, rtol: float = 0.0, atol: fl
             raise AssertionError(f"{where}: {actual!r} != {expected!r} (rtol={rtol}, atol={atol})")
     elif actual != expected:
         raise AssertionError(f"{where}: {actual!r} != {expected!r}")
+
+
+def as_numpy_tree(value: Any) -> Any:
+    """Tensors (in dicts, lists and tuples) as numpy copies: a rank's result crosses a pipe after the rank
+    has exited, which tensors shared through file descriptors cannot do. 16-bit floats are widened to
+    fp32 (exactly; numpy has no bfloat16)."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach()
+        if value.is_floating_point() and value.element_size() < 4:
+            value = value.float()
+        return value.numpy().copy()
+    if isinstance(value, dict):
+        return {k: as_numpy_tree(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [as_numpy_tree(v) for v in value]
+    return value
