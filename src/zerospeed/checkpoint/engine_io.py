@@ -449,15 +449,14 @@ def _optimizer_rank_state(engine: CheckpointedEngine) -> dict[str, Any] | None:
 
 def _restore_rank_local(optimizer: RankLocalState, topo: CheckpointTopology, ckpt: CheckpointSet,
                         allow_unsafe_pickle: bool) -> None:
-    """Hand the optimizer every saved rank's own state: it restores its rank's at the same world
-    size and reshapes them at another (each rank reads all saved ranks' files then)."""
-    saved_world = int(ckpt.manifest["world_size"])
-    saved = []
-    for rank in range(saved_world):
+    """Hand the optimizer the saved ranks' own states: it reads only this rank's at the same world size
+    and every saved rank's (to reshape them) at another."""
+    def read(rank: int) -> dict[str, Any]:
         state = load_small_state(os.path.join(ckpt.path, layout.rank_state(rank)),
                                  allow_unsafe_pickle=allow_unsafe_pickle) or {}
-        saved.append(state.get("optimizer") or {})
-    optimizer.load_rank_states(saved, topo.comm.rank, topo.comm.world_size)
+        return state.get("optimizer") or {}
+
+    optimizer.load_rank_states(read, int(ckpt.manifest["world_size"]), topo.comm.rank, topo.comm.world_size)
 
 
 def _refresh_after_rank_local(engine: CheckpointedEngine) -> None:

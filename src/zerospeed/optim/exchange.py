@@ -9,7 +9,7 @@ engine knows about compression.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 from zerospeed.distributed.comm import Comm
 
@@ -36,9 +36,11 @@ class RankLocalState(Protocol):
     def rank_state(self) -> dict[str, Any]:
         """This rank's state: tensors and plain values, saved in its ``rank<N>.state.pt``."""
 
-    def load_rank_states(self, saved: list[dict[str, Any]], rank: int, world_size: int) -> None:
-        """Restore from every saved rank's :meth:`rank_state` (in saved rank order), for ``rank`` of
-        ``world_size`` now: the same layout restores exactly, another one is reshaped."""
+    def load_rank_states(self, read: Callable[[int], dict[str, Any]], saved_world: int, rank: int,
+                         world_size: int) -> None:
+        """Restore ``rank`` of ``world_size`` from a save of ``saved_world`` ranks, ``read(r)`` giving saved
+        rank ``r``'s :meth:`rank_state`: the same world size restores this rank's own exactly (reading only
+        it), another one reshapes every saved rank's."""
 
 
 @runtime_checkable

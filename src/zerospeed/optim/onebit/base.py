@@ -10,7 +10,7 @@ bytes of signs. The padding is part of the algorithm: the scales are norms over 
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch.optim import Optimizer
@@ -81,22 +81,26 @@ class CompressedMomentum:
                 "server_error": self.server_error.clone(), "padding": self.padding.clone()}
 
     @classmethod
+    def exact(cls, saved: dict[str, Any], device: torch.device) -> "CompressedMomentum":
+        """This rank's buffers as its own save left them (the same world size)."""
+        out = cls(int(saved["numel"]), int(saved["world"]), device)
+        out.worker_error.copy_(saved["worker_error"])
+        out.server_error.copy_(saved["server_error"])
+        if "padding" in saved:
+            out.padding.copy_(saved["padding"])
+        return out
+
+    @classmethod
     def restored(cls, saved: list[dict[str, Any]], rank: int, world: int,
                  device: torch.device) -> "CompressedMomentum":
-        """This rank's buffers from every saved rank's: the same world restores rank ``rank``'s
-        exactly; another world keeps what the averaged result still owes: each new worker error is
-        the mean of the old ones (so the mean over ranks, the part of the average that was not yet
-        sent, is unchanged) and the server errors, laid end to end, are cut into the new chunks."""
+        """Rank ``rank``'s buffers at another world size, from every saved rank's: each new worker error
+        is the mean of the old ones (so the mean over ranks, the part of the average that was not yet
+        sent, is unchanged) and the server errors, laid end to end, are cut into the new chunks (another
+        world pads to another length: the padding restarts at zero)."""
         numel = int(saved[0]["numel"])
         if any(int(s["numel"]) != numel for s in saved):
             raise ValueError("the saved ranks' compression buffers cover different numbers of elements")
         out = cls(numel, world, device)
-        if len(saved) == world and int(saved[rank]["world"]) == world:
-            out.worker_error.copy_(saved[rank]["worker_error"])
-            out.server_error.copy_(saved[rank]["server_error"])
-            if "padding" in saved[rank]:
-                out.padding.copy_(saved[rank]["padding"])
-            return out  # (another world pads to another length: the padding restarts at zero)
         mean = torch.stack([s["worker_error"][:numel].float() for s in saved]).mean(0)
         out.worker_error[:numel].copy_(mean)
         servers = torch.cat([s["server_error"].float() for s in saved])[:numel]
@@ -209,18 +213,29 @@ class OneBitOptimizer(Optimizer):
     def rank_state(self) -> dict[str, Any]:
         return {"format": 1, "groups": {i: m.saved() for i, m in self._momenta.items()}, **self._rank_extra()}
 
-    def load_rank_states(self, saved: list[dict[str, Any]], rank: int, world_size: int) -> None:
+    def load_rank_states(self, read: Callable[[int], dict[str, Any]], saved_world: int, rank: int,
+                         world_size: int) -> None:
         self._momenta.clear()
-        indices = {i for s in saved for i in s.get("groups", {})}
-        for index in sorted(indices):
-            groups = [s.get("groups", {}).get(index) for s in saved]
-            if any(g is None for g in groups):
-                raise ValueError(f"{type(self).__name__}: parameter group {index}'s compression buffers are "
-                                 f"missing from some saved ranks")
-            device = self.param_groups[index]["params"][0].device
-            self._momenta[index] = CompressedMomentum.restored(groups, rank, world_size, device)
-        self._load_rank_extra(saved[rank] if len(saved) == world_size else saved[0])
+        if saved_world == world_size:  # this rank's own save: nothing else to read
+            own = read(rank)
+            for index, entry in own.get("groups", {}).items():
+                self._momenta[index] = CompressedMomentum.exact(entry, self._device(index))
+            self._load_rank_extra(own)
+        else:
+            saved = [read(r) for r in range(saved_world)]
+            indices = {i for s in saved for i in s.get("groups", {})}
+            for index in sorted(indices):
+                groups = [s.get("groups", {}).get(index) for s in saved]
+                if any(g is None for g in groups):
+                    raise ValueError(f"{type(self).__name__}: parameter group {index}'s compression buffers are "
+                                     f"missing from some saved ranks")
+                self._momenta[index] = CompressedMomentum.restored(groups, rank, world_size,
+                                                                   self._device(index))
+            self._load_rank_extra(saved[0])
         self.sync_phase()
+
+    def _device(self, index: int) -> torch.device:
+        return self.param_groups[index]["params"][0].device
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """DeepSpeed's rule: the checkpoint's state decides the phase; the user's ``exp_avg_mask``

@@ -29,7 +29,7 @@ engine's element-wise restored values are used.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -193,11 +193,12 @@ class ZeroOneAdam(OneBitOptimizer):
         """Only meaningful at the saved world size (``load_rank_states`` hands rank 0's otherwise)."""
         self._own_pending = saved.get("own", [])
 
-    def load_rank_states(self, saved: list[dict[str, Any]], rank: int, world_size: int) -> None:
+    def load_rank_states(self, read: Callable[[int], dict[str, Any]], saved_world: int, rank: int,
+                         world_size: int) -> None:
         self._own_pending = []
-        super().load_rank_states(saved, rank, world_size)
+        super().load_rank_states(read, saved_world, rank, world_size)
         pending, self._own_pending = self._own_pending, []
-        if len(saved) != world_size:
+        if saved_world != world_size:
             return  # another world: the element-wise values the engine restored stand
         where = {(i, j): p for i, j, p in self._owned()}
         for entry in pending:
