@@ -63,7 +63,8 @@ class OnebitAdam(OneBitOptimizer):
             if not self.initialized or not params:
                 continue
             beta1, beta2 = group["betas"]
-            if not self.frozen or group.get("non_freeze", False):
+            compressed = self.frozen and not group.get("non_freeze", False)  # else the variance still moves
+            if not compressed:
                 for p in params:
                     grad = grad_of(p)
                     if self.frozen:  # DeepSpeed's per-group escape: averaged exactly, variance kept moving
@@ -79,13 +80,12 @@ class OnebitAdam(OneBitOptimizer):
                 if self.world_size > 1:
                     self.momentum_buffers(index, momenta).exchange(self.comm, momenta)
                 self._mask(group, momenta)
-            frozen_variance = self.frozen and not group.get("non_freeze", False)
             for p in params:
                 state = self.state[p]
-                denominator = self._denominators.get(p) if frozen_variance else None
+                denominator = self._denominators.get(p) if compressed else None
                 if denominator is None:
                     denominator = state["exp_avg_sq"].sqrt() + group["eps"]
-                    if frozen_variance:  # the same values every step from here on: computed once
+                    if compressed:  # the same values every step from here on: computed once
                         self._denominators[p] = denominator
                 update = state["exp_avg"] / denominator
                 if group["weight_decay"] > 0.0:
