@@ -131,10 +131,17 @@ def test_optimizer_params_accept_auto() -> None:
     assert cfg.optimizer.params["betas"] is AUTO
 
 
-def test_onebit_optimizers_refuse_zero() -> None:
-    assert problems({"optimizer": {"type": "OneBitLamb"}, "zero_optimization": {"stage": 1}}) == (
-        'optimizer.type: "OneBitLamb" cannot be combined with ZeRO (zero_optimization.stage '
-        "is 1): it exchanges the whole momentum itself; use zero_optimization.stage 0",)
+def test_onebit_optimizers_run_at_zero_stages_0_to_2_and_refuse_stage_3_and_offload() -> None:
+    for stage in (0, 1, 2):
+        load({"optimizer": {"type": "OneBitLamb"}, "zero_optimization": {"stage": stage}})
+    assert problems({"optimizer": {"type": "OneBitLamb"}, "zero_optimization": {"stage": 3}}) == (
+        'optimizer.type: "OneBitLamb" cannot be combined with ZeRO stage 3: once it compresses, every rank '
+        "needs the whole momentum and updates its whole parameters, which stage 3 never holds; use "
+        "zero_optimization.stage 0, 1 or 2",)
+    assert problems({"optimizer": {"type": "ZeroOneAdam"},
+                     "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}) == (
+        'zero_optimization.offload_optimizer.device: "cpu" cannot be combined with "ZeroOneAdam": once it '
+        "compresses, its state is whole on every rank and steps there; remove zero_optimization.offload_optimizer",)
 
 
 def test_every_deepspeed_optimizer_declares_lr() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import inspect
 import logging
 from typing import Any, Callable, Iterable
@@ -23,6 +24,7 @@ from zerospeed.distributed.groups import group_rank, group_size
 from zerospeed.distributed.mesh import Mesh
 from zerospeed.engine import Engine
 from zerospeed.layer_drop import LayerDropSchedule
+from zerospeed.optim.exchange import ExchangingOptimizer
 from zerospeed.precision.policy import MixedPrecisionPolicy
 from zerospeed.profiling.timers import NoTimers, PhaseTimers, WallClockTimers
 from zerospeed.zero.contract import ModelState
@@ -146,12 +148,13 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     opt = _build_optimizer(optimizer, model_parameters, trainable, cfg, cpu_offload=offload)
     if offload:
         _warn_if_slow_on_cpu(opt)
+    exchanging = _check_exchanging(opt, zero, pipeline=pipeline is not None)
     if moe_setup.has_experts(model):
         state: ModelState = _split_state(model, cfg, mesh, policy, zero=zero, training=training,
-                                         has_optimizer=opt is not None, norm=norm)
+                                         has_optimizer=opt is not None, norm=norm, exchanging=exchanging)
     else:
         state = _model_state(model, cfg, comm, policy, zero=zero, training=training, has_optimizer=opt is not None,
-                             norm=norm)
+                             norm=norm, exchanging=exchanging)
     if opt is not None:
         if state.stage > 0:
             check_supported(opt, cfg.zero_allow_untested_optimizer)
@@ -318,9 +321,11 @@ def _broadcast_from_rank0(model: nn.Module, comm: Comm, *, experts: Comm) -> Non
 def _model_state(model: nn.Module, cfg: Config, comm: Comm, policy: MixedPrecisionPolicy, *, zero: ZeroPolicy,
                  training: TrainingPolicy, has_optimizer: bool = True, norm: NormScope = NormScope(),
                  owns: Callable[[nn.Parameter], bool] | None = None,
-                 reduction: ReductionPolicy | None = None) -> ModelState:
+                 reduction: ReductionPolicy | None = None, exchanging: bool = False) -> ModelState:
     """Stage 0 keeps everything on every rank; stages 1-3 shard (see zerospeed.zero). ``owns``: only
-    these parameters, over ``comm``; ``reduction``: how their gradients are averaged (default: the config's)."""
+    these parameters, over ``comm``; ``reduction``: how their gradients are averaged (default: the config's);
+    ``exchanging``: the optimizer exchanges by itself once warm (1-bit), so stages 1-2 hand over to a
+    replicated state then (:mod:`zerospeed.zero.handover`)."""
     reduction = reduction or reduction_policy(cfg, policy)
     stage = zero.stage
     if stage == 0:
@@ -329,9 +334,7 @@ def _model_state(model: nn.Module, cfg: Config, comm: Comm, policy: MixedPrecisi
             if partition is not None:
                 p.data = partition.take_full().to(p.dtype)
                 clear_owner(p)
-        return ReplicatedState(model, comm, master_dtype=policy.master_dtype, accum_dtype=policy.grad_accum_dtype,
-                               bucket_elems=zero.reduce_bucket_size, reduction=reduction, norm=norm, owns=owns,
-                               rows=SparseRows.of_model(model) if cfg.sparse_gradients else None)
+        return _replicated_state(model, cfg, comm, policy, zero=zero, reduction=reduction, norm=norm, owns=owns)
     from zerospeed.offload.store import StateStore
     from zerospeed.zero.eager import StepOverlap
     from zerospeed.zero.sharded import ShardedState
@@ -346,14 +349,49 @@ def _model_state(model: nn.Module, cfg: Config, comm: Comm, policy: MixedPrecisi
                                  clipping=training.gradient_clipping,
                                  loss_scaled=policy.loss_scaling is not None, overflow_checked=policy.check_overflow,
                                  sub_group_size=zero.sub_group_size)
-    return ShardedState(model, comm, stage=stage, master_dtype=policy.master_dtype,
-                        accum_dtype=policy.grad_accum_dtype, reduction=reduction,
-                        zero_cfg=zero, external=external_parameters(model), store=store, overlap_step=overlap,
-                        norm=norm, owns=owns, with_optimizer=has_optimizer)
+    sharded = ShardedState(model, comm, stage=stage, master_dtype=policy.master_dtype,
+                           accum_dtype=policy.grad_accum_dtype, reduction=reduction,
+                           zero_cfg=zero, external=external_parameters(model), store=store, overlap_step=overlap,
+                           norm=norm, owns=owns, with_optimizer=has_optimizer)
+    if not exchanging:
+        return sharded
+    from zerospeed.zero.handover import HandoverState
+
+    return HandoverState(sharded, replicated=functools.partial(_replicated_state, model, cfg, comm, policy, zero=zero,
+                                                               reduction=reduction, norm=norm, owns=owns))
+
+
+def _replicated_state(model: nn.Module, cfg: Config, comm: Comm, policy: MixedPrecisionPolicy, *, zero: ZeroPolicy,
+                      reduction: ReductionPolicy, norm: NormScope,
+                      owns: Callable[[nn.Parameter], bool] | None) -> ReplicatedState:
+    """Stage 0's state (also what a 1-bit optimizer at stage 1-2 is handed over to once it compresses)."""
+    return ReplicatedState(model, comm, master_dtype=policy.master_dtype, accum_dtype=policy.grad_accum_dtype,
+                           bucket_elems=zero.reduce_bucket_size, reduction=reduction, norm=norm, owns=owns,
+                           rows=SparseRows.of_model(model) if cfg.sparse_gradients else None)
+
+
+def _check_exchanging(opt: torch.optim.Optimizer | None, zero: ZeroPolicy, *, pipeline: bool) -> bool:
+    """Whether ``opt`` exchanges by itself (1-bit); refuses what such an optimizer cannot run with (a client
+    optimizer object escapes the config's checks)."""
+    if not isinstance(opt, ExchangingOptimizer):
+        return False
+    name = type(opt).__name__
+    if zero.stage == 3:
+        raise ConfigError(f"zero_optimization.stage: 3 cannot be combined with {name}: once it compresses, every "
+                          f"rank needs the whole momentum and updates its whole parameters, which stage 3 never "
+                          f"holds; use stage 0, 1 or 2")
+    if zero.offloads_optimizer:
+        raise ConfigError(f"zero_optimization.offload_optimizer cannot be combined with {name}: once it compresses, "
+                          f"its state is whole on every rank and steps there; remove offload_optimizer")
+    if pipeline and zero.stage > 0:
+        raise ConfigError(f"zero_optimization.stage: {zero.stage} with pipeline parallelism cannot be combined "
+                          f"with {name}; use stage 0")
+    return zero.stage > 0
 
 
 def _split_state(model: nn.Module, cfg: Config, mesh: Mesh, policy: MixedPrecisionPolicy, *, zero: ZeroPolicy,
-                 training: TrainingPolicy, has_optimizer: bool, norm: NormScope) -> ModelState:
+                 training: TrainingPolicy, has_optimizer: bool, norm: NormScope,
+                 exchanging: bool = False) -> ModelState:
     """A model with experts: dense parameters over the data-parallel group, experts over their
     expert-data-parallel group (averaged over the whole data-parallel size), at the configured stage."""
     from zerospeed.moe import setup as moe_setup
@@ -361,9 +399,10 @@ def _split_state(model: nn.Module, cfg: Config, mesh: Mesh, policy: MixedPrecisi
     from zerospeed.zero.split_state import SplitState
 
     dense = _model_state(model, cfg, mesh.dp, policy, zero=zero, training=training, has_optimizer=has_optimizer,
-                         norm=norm, owns=lambda p: not is_moe_param(p))
+                         norm=norm, owns=lambda p: not is_moe_param(p), exchanging=exchanging)
     experts = _model_state(model, cfg, mesh.comm("edp"), policy, zero=zero, training=training,
                            has_optimizer=has_optimizer, norm=moe_setup.expert_norm(norm, mesh), owns=is_moe_param,
+                           exchanging=exchanging,
                            reduction=moe_setup.expert_reduction(reduction_policy(cfg, policy), mesh))
     return SplitState([dense, experts], names=[{}, moe_setup.global_expert_names(model)])
 

@@ -245,9 +245,22 @@ def _cross_check_problems(cfg: ConfigSections) -> list[tuple[tuple[str | int, ..
                          "true needs bf16.bf16_master_weights_and_grads = true"))
     if cfg.gradient_allreduce_op == "sum" and known_stage and stage == 3:
         problems.append((("gradient_allreduce_op",), '"sum" is not supported with ZeRO stage 3'))
-    if cfg.optimizer is not None and cfg.optimizer.type in _ONEBIT and stage not in (0, AUTO):
-        problems.append((("optimizer", "type"), f"{show(cfg.optimizer.type)} cannot be combined "
-                                                f"with ZeRO (zero_optimization.stage is {stage}): it "
-                                                f"exchanges the whole momentum itself; use "
-                                                f"zero_optimization.stage 0"))
+    if cfg.optimizer is not None and cfg.optimizer.type in _ONEBIT:
+        problems += _onebit_problems(show(cfg.optimizer.type), cfg)
     return problems
+
+
+def _onebit_problems(name: str, cfg: ConfigSections) -> list[tuple[tuple[str | int, ...], str]]:
+    """1-bit optimizers run at ZeRO stages 0-2: once they compress, every rank needs the whole momentum
+    and applies the averaged one to its whole parameters (see zerospeed.zero.handover)."""
+    zero = cfg.zero_optimization
+    if zero.stage == 3:
+        return [(("optimizer", "type"), f"{name} cannot be combined with ZeRO stage 3: once it compresses, every "
+                                        f"rank needs the whole momentum and updates its whole parameters, which "
+                                        f"stage 3 never holds; use zero_optimization.stage 0, 1 or 2")]
+    for section in ("offload_optimizer", "offload_param"):
+        if getattr(zero, section).enabled:
+            return [(("zero_optimization", section, "device"),
+                     f"{show(getattr(zero, section).device)} cannot be combined with {name}: once it compresses, "
+                     f"its state is whole on every rank and steps there; remove zero_optimization.{section}")]
+    return []

@@ -27,6 +27,11 @@ class ExchangingOptimizer(Protocol):
         """Whether the coming window's gradients must be averaged by the model state (False: the
         optimizer receives this rank's own gradients and exchanges what it needs itself)."""
 
+    def params_replaced(self) -> None:
+        """The model state gave the optimizer other tensors for the same parameters (ZeRO's shard
+        pieces replaced by whole tensors, their state re-keyed and gathered): derive again whatever
+        the optimizer derived from its tensors or their state (phase, cached denominators)."""
+
 
 @runtime_checkable
 class RankLocalState(Protocol):

@@ -27,7 +27,9 @@ from zerospeed.offload import MemoryStorage, SlabLease, TierStorage
 from zerospeed.offload.store import StateStore
 from zerospeed.offload.tier import MemoryTier, StateTier
 from zerospeed.ops.cpu_optimizer import CPUOptimizer
+from zerospeed.optim.exchange import ExchangingOptimizer
 from zerospeed.optim.lamb import Lamb
+from zerospeed.optim.norms import WholeTensorNorms
 from zerospeed.zero.flat_param import FlatParamUnit
 from zerospeed.zero.swapped import SwappedOptimizerState
 
@@ -35,9 +37,17 @@ SUPPORTED_OPTIMIZERS: tuple[type, ...] = (torch.optim.Adam, torch.optim.AdamW, t
                                           torch.optim.Adagrad, Lamb, CPUOptimizer)
 
 
+def steps_whole(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether one ``step()`` must cover every piece: norms over whole parameters are one collective
+    pass (Lamb), and a 1-bit optimizer counts its calls (its set-up step, warm-up and freeze)."""
+    return isinstance(optimizer, (WholeTensorNorms, ExchangingOptimizer))
+
+
 def check_supported(optimizer: torch.optim.Optimizer, allow_untested: bool) -> None:
-    """Refuse optimizers whose update is not known to be exact on shards (DeepSpeed's rule)."""
-    if isinstance(optimizer, SUPPORTED_OPTIMIZERS) or allow_untested:
+    """Refuse optimizers whose update is not known to be exact on shards (DeepSpeed's rule). A 1-bit
+    optimizer is exact: it warms up on pieces and is handed whole tensors before it compresses
+    (:class:`~zerospeed.zero.handover.HandoverState`)."""
+    if isinstance(optimizer, SUPPORTED_OPTIMIZERS) or isinstance(optimizer, ExchangingOptimizer) or allow_untested:
         return
     names = ", ".join(cls.__name__ for cls in SUPPORTED_OPTIMIZERS)
     raise ValueError(f"ZeRO has not been tested with {type(optimizer).__name__} (tested: {names}); an optimizer "
@@ -135,9 +145,9 @@ class ZeroOptimizer:
                 if state and piece is not None:
                     optimizer.state[piece] = self._slice_state(state, p, piece, group)
             group["params"] = [self.piece_of[id(p)] for p in group["params"] if id(p) in self.piece_of]
-        if isinstance(optimizer, Lamb):
-            if any(group.get("max_grad_norm", 0) > 0 for group in optimizer.param_groups):
-                raise NotImplementedError("Lamb's max_grad_norm under ZeRO: use gradient_clipping instead")
+        if isinstance(optimizer, Lamb) and any(group.get("max_grad_norm", 0) > 0 for group in optimizer.param_groups):
+            raise NotImplementedError("Lamb's max_grad_norm under ZeRO: use gradient_clipping instead")
+        if isinstance(optimizer, WholeTensorNorms):
             optimizer.reduce_norms_with(self.reduce_piece_norms)
         self.optimizer = optimizer
         swapping = [u for u, tier in enumerate(self.tiers) if tier.swaps]
@@ -213,7 +223,7 @@ class ZeroOptimizer:
         gradient is used (gradient shards kept in slabs get the step's unscale and clip then). When shards must be all-gathered afterwards (stages 1-2), the update runs unit by
         unit and each unit's all-gather goes out as soon as that unit is updated, overlapping the
         rest of the step (Lamb, whose step is one collective pass over every group, updates all
-        units at once).
+        units at once; so does a 1-bit optimizer, which counts its calls).
         """
         if self.optimizer is None:
             raise RuntimeError("ZeroOptimizer.step before adopt(): no optimizer to run")
@@ -222,7 +232,7 @@ class ZeroOptimizer:
         self.times.update(update=0.0, publish=0.0)
         swaps = self.swapped is not None or any(unit.shard_lease is not None for unit in self.units)
         try:
-            at_once = isinstance(self.optimizer, Lamb) or not any(unit.persistent for unit in self.units)
+            at_once = steps_whole(self.optimizer) or not any(unit.persistent for unit in self.units)
             if at_once and not swaps:
                 copy_out = self.copy_out_targets(todo)
                 copied = set(copied) | set(copy_out or {})

@@ -251,6 +251,18 @@ class OneBitOptimizer(Optimizer):
     def sync_phase(self) -> None:
         """Derive the algorithm's phase (warm-up, compression...) from restored state."""
 
+    def params_replaced(self) -> None:
+        """ZeRO's shard pieces were replaced by whole tensors, the state re-keyed (see
+        :class:`~zerospeed.zero.handover.HandoverState`): the phase and caches follow the new tensors."""
+        self.sync_phase()
+
+    def _phase_state(self) -> dict[str, Any]:
+        """The state of the first parameter, in any group, that has a step count (every parameter
+        steps together, so any one tells the phase); empty before the first step. Under ZeRO a group
+        may hold no piece on this rank, so the first group's first tensor need not have one."""
+        return next((self.state[p] for group in self.param_groups for p in group["params"]
+                     if "step" in self.state.get(p, {})), {})
+
     def _rank_extra(self) -> dict[str, Any]:
         """Subclasses' own per-rank values (plain data)."""
         return {}

@@ -26,7 +26,7 @@ load, and in warm-up also the coefficient average).
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -87,6 +87,8 @@ class OnebitLamb(OneBitOptimizer):
         self.factor_threshold = factor_threshold
         self.frozen = False  # DeepSpeed's lamb_freeze_key: the momentum travels compressed
         self.lamb_coeffs: list[float] = []  # this step's coefficients, in parameter order
+        # ZeRO pieces' squared norms -> whole parameters' (warm-up under ZeRO 1-2; see reduce_norms_with)
+        self.norm_reducer: Callable[[list[torch.Tensor], torch.Tensor], torch.Tensor] | None = None
 
     def reduces_gradients(self) -> bool:
         return not self.frozen
@@ -109,6 +111,7 @@ class OnebitLamb(OneBitOptimizer):
             last_momenta = {id(p): self.state[p]["exp_avg"].clone() for _, p in self._stated()}
             self._set_scaling_coeffs()
         last: dict[str, Any] | None = None
+        warming: list[tuple[dict[str, Any], torch.Tensor, dict[str, Any]]] = []
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in self._with_grads(group):
@@ -128,7 +131,9 @@ class OnebitLamb(OneBitOptimizer):
                 state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
                 if state["step"] == self.freeze_step:
                     state["exp_avg_sq_fresh"] = state["exp_avg_sq"].clone()
-                self._warmup_update(group, p, state)
+                warming.append((group, p, state))
+        if self.initialized and not compressing:
+            self._warmup_updates(warming)
         if compressing:
             stated = self._stated()
             momenta = [self.state[p]["exp_avg"] for _, p in stated]
@@ -143,21 +148,35 @@ class OnebitLamb(OneBitOptimizer):
             self.frozen = True
         return loss
 
-    def _warmup_update(self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any]) -> None:
-        """LAMB's step, and the coefficient average the compression stage starts from."""
-        weight_norm = p.pow(2).sum().sqrt()
-        update = state["exp_avg"] / (state["exp_avg_sq"].sqrt() + group["eps"])
-        if group["weight_decay"] > 0.0:
-            update += group["weight_decay"] * p
-        update_norm = update.pow(2).sum().sqrt()
-        lamb_coeff = 1.0
-        if weight_norm != 0 and update_norm != 0:
-            lamb_coeff = min(max((weight_norm / update_norm).item(), group["min_coeff"]), group["max_coeff"])
-        if lamb_coeff != 1.0:  # DeepSpeed's quirk: a ratio of exactly 1 is left out of the average
-            state["lamb_coeff_freeze"] = (self.coeff_beta * state["lamb_coeff_freeze"]
-                                          + (1 - self.coeff_beta) * lamb_coeff)
-        self.lamb_coeffs.append(lamb_coeff)
-        p.add_(-group["lr"] * lamb_coeff * update)
+    def reduce_norms_with(self, reducer: Callable[[list[torch.Tensor], torch.Tensor], torch.Tensor]) -> None:
+        """The parameters are ZeRO shard pieces during warm-up: ``reducer`` maps their squared norms to the
+        whole parameters' (a collective, called on every rank at every warm-up step)."""
+        self.norm_reducer = reducer
+
+    def _warmup_updates(self, warming: list[tuple[dict[str, Any], torch.Tensor, dict[str, Any]]]) -> None:
+        """LAMB's step, and the coefficient average the compression stage starts from. The weight and
+        update norms are whole-tensor norms: over ZeRO pieces they are summed across ranks first."""
+        updates = []
+        for group, p, state in warming:
+            update = state["exp_avg"] / (state["exp_avg_sq"].sqrt() + group["eps"])
+            if group["weight_decay"] > 0.0:
+                update += group["weight_decay"] * p
+            updates.append(update)
+        params = [p for _, p, _ in warming]
+        weight_sq = torch.stack([p.pow(2).sum() for p in params]) if params else torch.zeros(0)
+        update_sq = torch.stack([u.pow(2).sum() for u in updates]) if updates else torch.zeros(0)
+        if self.norm_reducer is not None:
+            weight_sq, update_sq = self.norm_reducer(params, weight_sq), self.norm_reducer(params, update_sq)
+        for (group, p, state), update, weight_norm, update_norm in zip(warming, updates, weight_sq.sqrt(),
+                                                                      update_sq.sqrt()):
+            lamb_coeff = 1.0
+            if weight_norm != 0 and update_norm != 0:
+                lamb_coeff = min(max((weight_norm / update_norm).item(), group["min_coeff"]), group["max_coeff"])
+            if lamb_coeff != 1.0:  # DeepSpeed's quirk: a ratio of exactly 1 is left out of the average
+                state["lamb_coeff_freeze"] = (self.coeff_beta * state["lamb_coeff_freeze"]
+                                              + (1 - self.coeff_beta) * lamb_coeff)
+            self.lamb_coeffs.append(lamb_coeff)
+            p.add_(-group["lr"] * lamb_coeff * update)
 
     def _set_scaling_coeffs(self) -> None:
         """At the first compression step: one scale for all momenta (the mean of their RMS values)."""
@@ -200,6 +219,11 @@ class OnebitLamb(OneBitOptimizer):
         lamb_coeff = state["lamb_coeff_freeze"] * factor
         self.lamb_coeffs.append(lamb_coeff)
         p.add_(-group["lr"] * lamb_coeff * update)
+
+    def params_replaced(self) -> None:
+        """Whole tensors now (the warm-up's ZeRO pieces are gone): norms need no reduction any more."""
+        self.norm_reducer = None
+        super().params_replaced()
 
     def sync_phase(self) -> None:
         """Warm-up or compression from the restored step counts, as DeepSpeed's ``load_state_dict``."""

@@ -93,7 +93,7 @@ class ZeroOneAdam(OneBitOptimizer):
         if not self.initialized:
             self.initialized = True
             return loss
-        first = self.state.get(self.param_groups[0]["params"][0], {})
+        first = self._phase_state()
         if not self.frozen and first.get("step", 0) > self.var_freeze_step:
             self.frozen = True
             self.reset_error_feedback()  # the errors now measure accumulated steps, not gradients
@@ -197,24 +197,43 @@ class ZeroOneAdam(OneBitOptimizer):
                          world_size: int) -> None:
         self._own_pending = []
         super().load_rank_states(read, saved_world, rank, world_size)
-        pending, self._own_pending = self._own_pending, []
         if saved_world != world_size:
-            return  # another world: the element-wise values the engine restored stand
+            self._own_pending = []  # another world: the element-wise values the engine restored stand
+            return
+        self._apply_own(final=False)
+
+    def _apply_own(self, final: bool) -> None:
+        """Put the pending rank-local values on the parameters they were saved from. While the
+        optimizer holds ZeRO shard pieces (a local-phase checkpoint loaded at stage 1-2) they do not fit:
+        they wait for the whole tensors the model state hands over at the end of that load
+        (:meth:`params_replaced`, ``final``), where a misfit is an error."""
+        if not self._own_pending:
+            return
         where = {(i, j): p for i, j, p in self._owned()}
-        for entry in pending:
-            p = where.get((int(entry["group"]), int(entry["index"])))
-            if p is None:
+        placed = [(where.get((int(entry["group"]), int(entry["index"]))), entry) for entry in self._own_pending]
+        misfit = next((entry for p, entry in placed if p is None or p.shape != entry["param"].shape), None)
+        if misfit is not None:
+            if final:
                 raise ValueError(f"ZeroOneAdam: the checkpoint holds rank-local values for parameter "
-                                 f"{entry['index']} of group {entry['group']}, which has no state here")
-            with torch.no_grad():
+                                 f"{misfit['index']} of group {misfit['group']} (shape "
+                                 f"{tuple(misfit['param'].shape)}), which has no such state here")
+            return
+        with torch.no_grad():
+            for p, entry in placed:
+                assert p is not None
                 p.copy_(entry["param"])
                 for key in _OWN_KEYS:
                     self.state[p][key].copy_(entry[key])
+        self._own_pending = []
+
+    def params_replaced(self) -> None:
+        super().params_replaced()
+        self._apply_own(final=True)
 
     def sync_phase(self) -> None:
         """Phase and the coming window's all-reduce from the restored step counts, as DeepSpeed's
         ``load_state_dict`` derives them."""
-        first = self.state.get(self.param_groups[0]["params"][0], {})
+        first = self._phase_state()
         if "step" not in first:
             return
         self.initialized = True
