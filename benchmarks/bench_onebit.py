@@ -11,7 +11,12 @@ Sides: Adam (DeepSpeed's ``Adam`` type, AdamW with bias correction), OneBitAdam 
 ``--freeze``). Target (issue 21): the 1-bit sides' final loss within 3% of Adam's (of Lamb's for
 1-bit LAMB), and their bytes per step after the freeze <= 1/20 of Adam's.
 
-    python benchmarks/bench_onebit.py [--world 2] [--steps 300] [--freeze 60] [--quick]
+With ``--stage 1`` or ``2`` every side runs at that ZeRO stage: the 1-bit sides warm up on ZeRO's shards
+and hand their state over to a replicated one when they start compressing (zerospeed.zero.handover);
+the report adds each side's model-state bytes per rank (``memory_breakdown()["total"]``) in the
+middle of the warm-up and at the end.
+
+    python benchmarks/bench_onebit.py [--world 2] [--steps 300] [--freeze 60] [--stage 0] [--quick]
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ def _windows(data: torch.Tensor, start: int, count: int) -> tuple[torch.Tensor, 
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
-def _rank(name: str, optimizer: dict[str, Any], steps: int, warmup: int, lr: float) -> dict[str, Any]:
+def _rank(name: str, optimizer: dict[str, Any], steps: int, warmup: int, lr: float, stage: int = 0) -> dict[str, Any]:
     import logging
 
     import zerospeed
@@ -66,7 +71,7 @@ def _rank(name: str, optimizer: dict[str, Any], steps: int, warmup: int, lr: flo
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=256, seq_len=SEQ, d_model=128, n_layers=4, n_heads=4))
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
-              "steps_per_print": 10**9, "optimizer": optimizer, "zero_optimization": {"stage": 0},
+              "steps_per_print": 10**9, "optimizer": optimizer, "zero_optimization": {"stage": stage},
               "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": lr,
                                                            "warmup_num_steps": warmup}}}
     try:
@@ -77,6 +82,7 @@ def _rank(name: str, optimizer: dict[str, Any], steps: int, warmup: int, lr: flo
     rank, world = engine.comm.rank, engine.comm.world_size
     per_step = MICRO * world
     losses, sent, times = [], [], []
+    state_bytes = {}
     for step in range(steps):
         first = (step * per_step + rank * MICRO) % ((len(train) - 1) // SEQ - MICRO)
         x, y = _windows(train, first, MICRO)
@@ -88,11 +94,14 @@ def _rank(name: str, optimizer: dict[str, Any], steps: int, warmup: int, lr: flo
         times.append(time.perf_counter() - t0)
         sent.append(sum(engine.comm.stats.sent.values()) - before)
         losses.append(float(loss.detach()))
+        if step == warmup // 2:
+            state_bytes["warm-up"] = engine.memory_breakdown()["total"]
+    state_bytes["end"] = engine.memory_breakdown()["total"]
     engine.module.eval()
     with torch.no_grad():
         x, y = _windows(val, 0, EVAL_WINDOWS)
         held_out = float(engine.module(x, y))
-    return {"losses": losses, "sent": sent, "times": times, "held_out": held_out}
+    return {"losses": losses, "sent": sent, "times": times, "held_out": held_out, "state_bytes": state_bytes}
 
 
 def main() -> None:
@@ -105,6 +114,7 @@ def main() -> None:
     # the variance at --freeze: with 0.999 a 60-step warm-up freezes it at 1 - 0.999^60 = 6% of its value.
     parser.add_argument("--beta2", type=float, default=0.95)
     parser.add_argument("--sides", default="Adam,OneBitAdam,ZeroOneAdam,Lamb,OneBitLamb")
+    parser.add_argument("--stage", type=int, default=0, choices=(0, 1, 2), help="ZeRO stage of every side")
     parser.add_argument("--quick", action="store_true", help="60 steps, freeze 12 (a smoke run)")
     args = parser.parse_args()
     if args.quick:
@@ -112,10 +122,11 @@ def main() -> None:
     warmup = max(args.freeze // 2, 1)
     configs = side_configs(args.freeze, args.lr, args.beta2)
     print(f"example GPT (d 128, 4 layers, seq {SEQ}), {args.world} gloo ranks x micro {MICRO}, {args.steps} steps, "
-          f"freeze {args.freeze}, WarmupLR {warmup} steps to lr {args.lr}, betas (0.9, {args.beta2})")
+          f"freeze {args.freeze}, WarmupLR {warmup} steps to lr {args.lr}, betas (0.9, {args.beta2}), ZeRO stage {args.stage}")
     results: dict[str, dict[str, Any]] = {}
     for name in args.sides.split(","):
-        out = run_distributed(_rank, args.world, name, configs[name], args.steps, warmup, args.lr, timeout=3600)[0]
+        out = run_distributed(_rank, args.world, name, configs[name], args.steps, warmup, args.lr, args.stage,
+                              timeout=3600)[0]
         if "skipped" in out:
             print(f"{name:12s} skipped: {out['skipped'][:100]}")
             continue
@@ -124,7 +135,9 @@ def main() -> None:
         late = statistics.mean(out["sent"][args.freeze + 2:])
         tail = statistics.mean(out["losses"][-20:])
         print(f"{name:12s} held-out {out['held_out']:.4f}  train(last 20) {tail:.4f}  sent/step warm-up "
-              f"{early / 1e3:9.1f} kB  after {late / 1e3:9.2f} kB  step {statistics.median(out['times']) * 1e3:6.1f} ms")
+              f"{early / 1e3:9.1f} kB  after {late / 1e3:9.2f} kB  step {statistics.median(out['times']) * 1e3:6.1f} ms  "
+              f"state/rank warm-up {out['state_bytes']['warm-up'] / 2**20:5.2f} MiB  end "
+              f"{out['state_bytes']['end'] / 2**20:5.2f} MiB")
     for side, base in (("OneBitAdam", "Adam"), ("ZeroOneAdam", "Adam"), ("OneBitLamb", "Lamb")):
         if side in results and base in results:
             a, b = results[side], results[base]
