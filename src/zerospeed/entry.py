@@ -148,7 +148,7 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     opt = _build_optimizer(optimizer, model_parameters, trainable, cfg, cpu_offload=offload)
     if offload:
         _warn_if_slow_on_cpu(opt)
-    exchanging = _check_exchanging(opt, zero, pipeline=pipeline is not None)
+    exchanging = _check_exchanging(opt, zero, pipeline=pipeline is not None, experts=moe_setup.has_experts(model))
     if moe_setup.has_experts(model):
         state: ModelState = _split_state(model, cfg, mesh, policy, zero=zero, training=training,
                                          has_optimizer=opt is not None, norm=norm, exchanging=exchanging)
@@ -370,12 +370,16 @@ def _replicated_state(model: nn.Module, cfg: Config, comm: Comm, policy: MixedPr
                            rows=SparseRows.of_model(model) if cfg.sparse_gradients else None)
 
 
-def _check_exchanging(opt: torch.optim.Optimizer | None, zero: ZeroPolicy, *, pipeline: bool) -> bool:
+def _check_exchanging(opt: torch.optim.Optimizer | None, zero: ZeroPolicy, *, pipeline: bool, experts: bool) -> bool:
     """Whether ``opt`` exchanges by itself (1-bit); refuses what such an optimizer cannot run with (a client
     optimizer object escapes the config's checks)."""
     if not isinstance(opt, ExchangingOptimizer):
         return False
     name = type(opt).__name__
+    if experts:
+        raise ConfigError(f"optimizer: {name} cannot train a model with expert (MoE) layers: their parameters are "
+                          f"a second model state over their own replica group, which would step the optimizer "
+                          f"twice per window and shift its warm-up and freeze; use Adam or AdamW")
     if zero.stage == 3:
         raise ConfigError(f"zero_optimization.stage: 3 cannot be combined with {name}: once it compresses, every "
                           f"rank needs the whole momentum and updates its whole parameters, which stage 3 never "
