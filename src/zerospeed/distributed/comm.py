@@ -371,12 +371,15 @@ class Comm:
         """Count a call about to be issued; start its timer when logging (``msg_size``: DeepSpeed's, default ``nbytes``)."""
         self._seq += 1
         self.stats.record(op, nbytes, sent)
-        self._begin(op, nbytes if msg_size is None else msg_size, kind)
+        # Two attribute reads when logging is off. Every collective method calls _enter (or _begin) and then
+        # _run with nothing in between that issues another call, so the pending probe is always its own.
+        if self.comms_logger.enabled:
+            self._begin(op, nbytes if msg_size is None else msg_size, kind)
+        else:
+            self._probe = None
         return self._seq
 
     def _begin(self, op: str, msg_size: int, kind: str | None = None) -> None:
-        # One attribute read when logging is off. Every collective method calls _enter (or _begin) and then
-        # _run with nothing in between that issues another call, so the pending probe is always its own.
         logger = self.comms_logger
         self._probe = (logger.begin(kind or op, op, msg_size, self.world_size, sync=self._backend == "nccl")
                        if logger.enabled else None)
