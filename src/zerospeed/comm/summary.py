@@ -125,9 +125,11 @@ def _straggler(logger: CommsLogger) -> dict[str, dict[int, dict[str, Any]]]:
     shared = [key for key, count in sorted(mine.items()) if all(dict(theirs).get(key) == count for theirs in everyone)]
     if not shared:
         return {}
-    latencies = torch.tensor([lat for key in shared for lat in records[key].latencies], dtype=torch.float64)
-    least = latencies.clone()
+    # the device the world's backend talks from (NCCL: this rank's GPU)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+    least = torch.tensor([lat for key in shared for lat in records[key].latencies], dtype=torch.float64, device=device)
     comm.all_reduce(least, "min")
+    least = least.cpu()
     out: dict[str, dict[int, dict[str, Any]]] = {}
     offset = 0
     for name, size in shared:
