@@ -8,9 +8,11 @@ straggler view (one rank late by a sleep) and that a disabled logger records not
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -152,7 +154,7 @@ def test_debug_names_the_calling_function() -> None:
     assert logger.get_operation_names() == ["all_reduce | [Caller Func: test_debug_names_the_calling_function]"]
 
 
-def test_configure_takes_a_config_section_or_dict() -> None:
+def test_configure_takes_a_config_a_dict_or_a_path(tmp_path: Path) -> None:
     logger = zcomm.summary.process_logger()
     try:
         zcomm.configure({"comms_logger": {"enabled": True, "prof_all": False, "prof_ops": ["all_reduce"]}}, verbose=True)
@@ -161,8 +163,17 @@ def test_configure_takes_a_config_section_or_dict() -> None:
         assert logger.prof_all is False
         with pytest.raises(TypeError, match="deepspeed_config=int: expected a zerospeed Config"):
             zcomm.configure(3)
+        path = tmp_path / "ds.json"
+        path.write_text(json.dumps({"comms_logger": {"enabled": True, "prof_ops": ["barrier"], "debug": True}}))
+        zcomm.configure(str(path))
+        assert (logger.prof_ops, logger.debug) == (("barrier",), True)
+        from zerospeed.config import load_config
+
+        cfg = load_config({"train_batch_size": 1, "comms_logger": {"enabled": True, "prof_all": True, "prof_ops": []}})
+        zcomm.configure(cfg)
+        assert (logger.prof_all, logger.prof_ops) == (True, ())
     finally:
-        logger.configure(enabled=False, prof_all=True, prof_ops=(), verbose=False)
+        logger.configure(enabled=False, prof_all=True, prof_ops=(), verbose=False, debug=False)
 
 
 # -- real collectives on 2 gloo ranks ---------------------------------------------------------------
@@ -204,9 +215,14 @@ def _async_rule() -> dict:
     comm.reduce_scatter(torch.empty(3), torch.ones(6))  # not in prof_ops
     comm.all_reduce(torch.ones(2, dtype=torch.float64))
     raw = logger.get_raw_data()
+    # uneven parts: every rank records the widest part (what each puts in the padded collective)
+    uneven = CommsLogger(enabled=True, debug=True)
+    sizes = [3, 1]
+    Comm(comms_logger=uneven).all_gather([torch.empty(n) for n in sizes], torch.ones(sizes[comm.rank]))
     return {"before_wait": recorded_before_wait, "names": sorted(raw),
             "all_reduce": {size: entry[1] for size, entry in raw["all_reduce"].items()},
-            "all_gather": {size: entry[0] for size, entry in raw["all_gather"].items()}}
+            "all_gather": {size: entry[0] for size, entry in raw["all_gather"].items()},
+            "uneven": {name: sorted(per_size) for name, per_size in uneven.get_raw_data().items()}}
 
 
 def _straggler() -> dict:
@@ -303,6 +319,8 @@ def test_async_latency_runs_until_the_wait(ranks: list[dict]) -> None:
         assert len(case["all_reduce"][5 * F32]) == 1 and case["all_reduce"][5 * F32][0] >= 200.0
         assert case["all_reduce"][2 * F64][0] < 200.0
         assert case["all_gather"] == {3 * F32: 1}
+        # debug names the function that called Comm, past the communication layer's own frames
+        assert case["uneven"] == {"all_gather | [Caller Func: _async_rule]": [3 * F32]}
 
 
 def test_straggler_view_shows_the_early_ranks_wait(ranks: list[dict]) -> None:

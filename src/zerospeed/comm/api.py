@@ -43,12 +43,12 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                      config: "Config | Mapping[str, object] | str | None" = None,
                      rank: int = -1, world_size: int = -1) -> DistEnv:
     """Start the default process group unless one is up (the backend defaults to the accelerator's:
-    gloo on a CPU-only machine). ``config`` (a Config or a config dict) configures the comms logger
+    gloo on a CPU-only machine). ``config`` (a Config, a config dict or a JSON path) configures the comms logger
     from its ``comms_logger`` section, as DeepSpeed does. Returns who this process is."""
     if dist_init_required is False and not groups.is_initialized():
         raise RuntimeError("init_distributed(dist_init_required=False) but no process group is running; "
                            "start one first or pass dist_init_required=None")
-    if config is not None and not isinstance(config, str):
+    if config is not None:
         configure_from_config(config)
     return _start(dist_backend=dist_backend, auto_mpi_discovery=auto_mpi_discovery,
                   distributed_port=distributed_port, verbose=verbose, timeout=timeout,

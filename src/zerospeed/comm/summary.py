@@ -16,6 +16,7 @@ the straggler view, since there is no call-by-call partner to compare with.
 
 from __future__ import annotations
 
+import os
 from datetime import datetime
 from typing import Any, Iterable, Mapping
 
@@ -48,12 +49,15 @@ def process_logger() -> CommsLogger:
 def configure_from_config(config: Any) -> bool:
     """Configure the process logger from a config's ``comms_logger`` section when it is enabled.
 
-    ``config``: a zerospeed ``Config`` (or anything with a parsed ``comms_logger`` attribute) or a raw
-    DeepSpeed config mapping. Returns whether it was enabled. (DeepSpeed turns the logger on whenever the
+    ``config``: a zerospeed ``Config`` (or anything with a parsed ``comms_logger`` attribute), a raw
+    DeepSpeed config mapping, or a JSON file path. Returns whether it was enabled. (DeepSpeed turns the logger on whenever the
     section is present, even with ``"enabled": false``; zerospeed follows the ``enabled`` key.)
     """
     from zerospeed.config import CommsLoggerConfig
+    from zerospeed.config.load import read_source
 
+    if isinstance(config, (str, os.PathLike)):
+        config = read_source(config)
     if isinstance(config, Mapping):
         raw = config.get("comms_logger")
         section = CommsLoggerConfig.model_validate(raw) if raw is not None else CommsLoggerConfig()
@@ -61,7 +65,7 @@ def configure_from_config(config: Any) -> bool:
         section = config.comms_logger
     else:
         raise TypeError(f"deepspeed_config={type(config).__name__}: expected a zerospeed Config (an engine's "
-                        f"engine.config) or a DeepSpeed config dict with a \"comms_logger\" section")
+                        f"engine.config), a DeepSpeed config dict or a JSON config path")
     if section.enabled:
         process_logger().configure_from(section)
     return bool(section.enabled)
