@@ -4,7 +4,9 @@ Every collective here runs on a :class:`~zerospeed.distributed.comm.Comm` bound 
 caller names (``group=None``: every rank), so it has Comm's timeout diagnostics; ``async_op=True``
 returns a handle with ``wait()`` and ``is_completed()`` as torch's ``Work`` has. Ranks (``src``) are
 global ranks, as in torch. A rank outside ``group`` does nothing and gets None, as in torch.
-The Comm is made per call and kept by nobody (no module state); it costs a few attribute reads.
+The Comm is made per call and kept by nobody; it costs a few attribute reads. It records into the
+process's comms logger (:mod:`.summary`, the one piece of module state, for DeepSpeed's
+``configure`` / ``log_summary``).
 """
 
 from __future__ import annotations
