@@ -52,7 +52,7 @@ IMPLEMENTED = frozenset({
     "zero_optimization.offload_optimizer.pipeline_write", "zero_optimization.offload_optimizer.fast_init",
     "activation_checkpointing.cpu_checkpointing", "activation_checkpointing.contiguous_memory_optimization",
     "activation_checkpointing.synchronize_checkpoint_boundary", "activation_checkpointing.profile",
-    "wall_clock_breakdown", "sparse_gradients", "progressive_layer_drop",
+    "wall_clock_breakdown", "sparse_gradients", "progressive_layer_drop", "comms_logger",
     # save_16bit_model / _zero3_consolidated_16bit_state_dict always gather the stage-3 shards.
     "zero_optimization.stage3_gather_16bit_weights_on_model_save",
 })
@@ -109,6 +109,7 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     # Collectives time out as the process group was asked to (init_distributed(timeout=...)).
     pg_timeout = process_group_timeout()
     mesh = tp_setup.build_mesh(dims, mpu, None if pg_timeout == DEFAULT_TIMEOUT else pg_timeout)
+    _log_comms(mesh, cfg)
     comm = mesh.dp
     assert comm.world_size == cfg.world_size, "the batch arithmetic must use the data-parallel size"
 
@@ -182,6 +183,16 @@ def initialize(args: Any = None, model: nn.Module | None = None,
         if offload or state.stage == 3 and zero.offload_param.enabled:
             log.info("offload: %s", state.describe_offload())
     return engine, opt, loader, sched
+
+
+def _log_comms(mesh: Mesh, cfg: Config) -> None:
+    """The mesh's Comms record into the process's comms logger (``deepspeed.comm.log_summary`` prints
+    it), which a ``comms_logger`` section turns on; left off, each call pays one attribute read."""
+    from zerospeed.comm.summary import configure_from_config, process_logger
+
+    configure_from_config(cfg)
+    for axis_comm in mesh.comms.values():
+        axis_comm.comms_logger = process_logger()
 
 
 def _config_source(args: Any, config: Any, config_params: Any) -> Any:
