@@ -394,3 +394,58 @@ def test_tensor_parallel_summary_sums_the_model_parallel_ranks() -> None:
     assert params_to_string(plain[params]) in text.split("params of model")[1].split("\n")[0]
     assert number_to_string(results[0]["model"][fwd_flops]) in text.split("fwd flops of model")[1].split("\n")[0]
     assert results[1]["stdout"] == ""
+
+
+def _pipeline_profile() -> dict[str, Any]:
+    import zerospeed
+    from zerospeed.testing.pipe_models import PlainGPT, gpt_pipeline, rank_iterator, token_batches
+
+    module = gpt_pipeline(2, blocks=2)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 1000,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "pipeline": {"schedule": "1f1b"},
+              "flops_profiler": {"enabled": True, "profile_step": 1, "detailed": True}}
+    engine, *_ = zerospeed.initialize(model=module, config=config)
+    batches = token_batches(2, 2, 2)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        it = rank_iterator(batches, 0)
+        for _ in range(2):
+            engine.train_batch(it)
+    plain = PlainGPT(blocks=2)  # one process, one micro-batch
+    prof = FlopsProfiler(plain)
+    prof.start_profile()
+    plain(batches[0][0][0][0]).sum().backward()
+    prof.stop_profile()
+    return {"model": list(engine.flops_profiler.model_profile.__dict__.values()),
+            "plain": list(prof.totals().__dict__.values()), "stdout": printed.getvalue()}
+
+
+def test_pipeline_summary_sums_the_stages_and_counts_the_tied_embedding_once() -> None:
+    results = run_distributed(_pipeline_profile, 2)
+    fwd_flops, fwd_macs, bwd_flops, bwd_macs, params = range(5)
+    plain = results[0]["plain"]
+    for result in results:
+        model = result["model"]
+        # the batch's two micro-batches over both stages: twice one micro-batch of the whole model
+        assert model[fwd_macs] == 2 * plain[fwd_macs]
+        assert model[bwd_macs] == 2 * plain[bwd_macs]
+        assert model[params] == plain[params]  # the tied embedding lives on both stages, counted once
+    assert "Profile Summary at step 1:" in results[0]["stdout"] and results[1]["stdout"] == ""
+
+
+def test_deepspeed_alias_paths() -> None:
+    from zerospeed.deepspeed_alias import install_as_deepspeed, is_installed, uninstall_as_deepspeed
+
+    installed = is_installed()
+    if not installed:
+        install_as_deepspeed()
+    try:
+        import deepspeed
+        from deepspeed.profiling.flops_profiler import FlopsProfiler as Aliased
+        from deepspeed.profiling.flops_profiler.profiler import get_model_profile as aliased_profile
+
+        assert Aliased is FlopsProfiler and aliased_profile is get_model_profile
+        assert deepspeed.profiling.flops_profiler.get_model_profile is get_model_profile
+    finally:
+        if not installed:
+            uninstall_as_deepspeed()

@@ -45,13 +45,18 @@ class OpTally:
     backward_flops: int = 0
     backward_macs: int = 0
     stack: list[tuple[int, float]] = field(default_factory=list)  # (module id, start time) of running forwards
+    # where forward ops outside every profiled module go (None: nowhere); the engine points it at the model
+    # inside its forward bracket, so a pipeline's tied-head ``forward_fn`` and ``loss_fn`` count
+    outside: int | None = None
 
     def charge(self, cost: OpCost) -> None:
         if in_backward():
             self.backward_flops += cost.flops
             self.backward_macs += cost.macs
-        elif self.stack:  # ops outside every profiled module (a loss computed by the caller) are not the model's
-            count = self.modules[self.stack[-1][0]]
+            return
+        owner = self.stack[-1][0] if self.stack else self.outside
+        if owner is not None:  # else: the caller's own work (e.g. its loss), not the model's
+            count = self.modules[owner]
             count.flops += cost.flops
             count.macs += cost.macs
 

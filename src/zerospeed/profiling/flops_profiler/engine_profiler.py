@@ -102,11 +102,16 @@ class EngineFlopsProfiler(FlopsProfiler):
         """The phase timed while profiling (device-synchronized), nothing otherwise."""
         return self._timers.phase(name) if self.phase is ProfilePhase.RUNNING else contextlib.nullcontext()
 
-    def forward(self, global_steps: int) -> ContextManager[None]:
+    @contextlib.contextmanager
+    def forward(self, global_steps: int) -> Iterator[None]:
         if self.phase is ProfilePhase.WAITING and global_steps == self.settings.profile_step:
             self._move(ProfilePhase.RUNNING)
             self.start_profile()
-        return self._timed("forward")
+        if self.phase is not ProfilePhase.RUNNING:
+            yield
+            return
+        with self._timed("forward"), self.charging_the_model():
+            yield
 
     def backward(self) -> ContextManager[None]:
         return self._timed("backward")

@@ -139,6 +139,17 @@ class FlopsProfiler:
         finally:
             self.stop_profile()
 
+    @contextlib.contextmanager
+    def charging_the_model(self) -> Iterator[None]:
+        """Inside this block forward operations outside every module count as the model's own (the
+        engine's forward bracket: a pipeline calls layers and functions, not the model's forward)."""
+        tally = self._counts()
+        tally.outside = id(self.model)
+        try:
+            yield
+        finally:
+            tally.outside = None
+
     # -- numbers ----------------------------------------------------------------------------------
     def _counts(self) -> OpTally:
         if self._tally is None:
