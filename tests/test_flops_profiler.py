@@ -366,13 +366,9 @@ def _tensor_parallel_profile() -> dict[str, Any]:
     torch.manual_seed(0)
     plain = TinyGPT(cfg)  # the unsharded model, profiled in this process
     ids, targets = token_batch(0, 2, cfg)
-    prof = FlopsProfiler(plain)
-    prof.start_profile()
-    plain(ids, targets).backward()
-    prof.stop_profile()
     out = {"mine": list(engine.flops_profiler.last_profile.__dict__.values()),
            "model": list(engine.flops_profiler.model_profile.__dict__.values()),
-           "plain": list(prof.totals().__dict__.values()), "stdout": printed.getvalue()}
+           "plain": list(_profile(plain, ids, targets).values()), "stdout": printed.getvalue()}
     engine.destroy()
     return out
 
@@ -412,12 +408,8 @@ def _pipeline_profile() -> dict[str, Any]:
         for _ in range(2):
             engine.train_batch(it)
     plain = PlainGPT(blocks=2)  # one process, one micro-batch
-    prof = FlopsProfiler(plain)
-    prof.start_profile()
-    plain(batches[0][0][0][0]).sum().backward()
-    prof.stop_profile()
     return {"model": list(engine.flops_profiler.model_profile.__dict__.values()),
-            "plain": list(prof.totals().__dict__.values()), "stdout": printed.getvalue()}
+            "plain": list(_profile(plain, batches[0][0][0][0]).values()), "stdout": printed.getvalue()}
 
 
 def test_pipeline_summary_sums_the_stages_and_counts_the_tied_embedding_once() -> None:
