@@ -215,7 +215,7 @@ def test_repeated_profiles_give_the_same_numbers() -> None:
     prof = FlopsProfiler(model)
     totals = []
     for _ in range(2):  # start_profile starts from zero; the model's forward hooks are removed at stop
-        model.zero_grad(set_to_none=True)  # (adding into an existing .grad is backward work of its own)
+        # the second backward adds into .grad: storing gradients is not counted
         prof.start_profile()
         model(torch.randn(B, D0)).sum().backward()
         prof.stop_profile()
@@ -287,11 +287,13 @@ def _train_with_profiler(out_dir: str) -> dict[str, Any]:
 
     rank = dist.get_rank()
     results: dict[str, Any] = {}
-    for case, output_file in (("file", os.path.join(out_dir, "profile.txt")), ("stdout", None)):
+    # ZeRO stage 1 printing to a file, stage 3 (parameters partitioned: counted at full size) to stdout
+    for case, stage, output_file in (("file", 1, os.path.join(out_dir, "profile.txt")), ("stdout", 3, None)):
         model = _mlp()
         profiler = {"enabled": True, "profile_step": 2, "module_depth": -1, "top_modules": 1, "detailed": True,
                     "output_file": output_file}
-        config = train_config(micro=B, accum=2, optimizer=adamw(1e-3), zero=zero_section(1, reduce_bucket_size=100_000, persistence_threshold=0),
+        config = train_config(micro=B, accum=2, optimizer=adamw(1e-3),
+                              zero=zero_section(stage, reduce_bucket_size=100_000, persistence_threshold=0),
                               flops_profiler=profiler, wall_clock_breakdown=False)
         engine, *_ = zerospeed.initialize(model=model, config=config)
         printed = io.StringIO()
@@ -441,3 +443,25 @@ def test_deepspeed_alias_paths() -> None:
     finally:
         if not installed:
             uninstall_as_deepspeed()
+
+
+def test_recomputed_forward_is_measured_as_backward_work() -> None:
+    """Activation checkpointing runs the forward again inside backward: measured, no recompute factor."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = _mlp()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return checkpoint(self.inner, x, use_reentrant=False)
+
+    x = torch.randn(B, D0)
+    plain, again = _profile(_mlp(), x), _profile(Checkpointed(), x)
+    assert again["fwd_flops"] == plain["fwd_flops"] and again["fwd_macs"] == plain["fwd_macs"]
+    # torch stops the recompute once the saved tensors backward needs are back: the last layer (whose
+    # output nothing saved) is not run again
+    last = B * D2 * D3
+    assert again["bwd_macs"] == plain["bwd_macs"] + plain["fwd_macs"] - last
+    assert again["bwd_flops"] == plain["bwd_flops"] + plain["fwd_flops"] - (2 * last + B * D3)

@@ -2,6 +2,10 @@
 innermost profiled module running it (forward) or to the backward total (any op autograd's engine runs,
 recomputed forwards of activation checkpointing included).
 
+Work autograd does to store a leaf's gradient (adding into ``.grad``, gradient hooks, the engine's
+reduction in post-accumulate hooks) is not counted: the same forward and backward give the same numbers
+whatever the ZeRO stage or accumulation state.
+
 One :class:`OpTally` per profile holds everything (no module attributes, no module-global lists, no
 patched ``torch.nn.functional``): counts are keyed by module identity, so two profilers never share
 numbers and a profile started again starts from zero.
@@ -19,6 +23,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.hooks import RemovableHandle
 
 from zerospeed.profiling.flops_profiler.rules import OpCost, op_cost
+
+
+def storing_gradients() -> bool:
+    """True while autograd hands a leaf its gradient: adding into ``.grad``, the leaf's gradient hooks and
+    post-accumulate hooks (the engine's gradient reduction). That work is bookkeeping, not the backward's
+    gradient computation, and is not counted."""
+    return isinstance(torch._C._current_autograd_node(), torch._C._functions.AccumulateGrad)
 
 
 def in_backward() -> bool:
@@ -51,6 +62,8 @@ class OpTally:
 
     def charge(self, cost: OpCost) -> None:
         if in_backward():
+            if storing_gradients():
+                return
             self.backward_flops += cost.flops
             self.backward_macs += cost.macs
             return
@@ -127,4 +140,4 @@ class ModuleHooks:
         self._handles.clear()
 
 
-__all__ = ["in_backward", "ModuleCount", "OpTally", "CountingMode", "ModuleHooks"]
+__all__ = ["in_backward", "storing_gradients", "ModuleCount", "OpTally", "CountingMode", "ModuleHooks"]
