@@ -25,11 +25,14 @@ from torch.utils.hooks import RemovableHandle
 from zerospeed.profiling.flops_profiler.rules import OpCost, op_cost
 
 
+_ACCUMULATE_GRAD: type = getattr(torch._C._functions, "AccumulateGrad")  # the node that stores a leaf's gradient
+
+
 def storing_gradients() -> bool:
     """True while autograd hands a leaf its gradient: adding into ``.grad``, the leaf's gradient hooks and
     post-accumulate hooks (the engine's gradient reduction). That work is bookkeeping, not the backward's
     gradient computation, and is not counted."""
-    return isinstance(torch._C._current_autograd_node(), torch._C._functions.AccumulateGrad)
+    return isinstance(torch._C._current_autograd_node(), _ACCUMULATE_GRAD)
 
 
 def in_backward() -> bool:
