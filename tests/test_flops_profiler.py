@@ -445,6 +445,18 @@ def test_deepspeed_alias_paths() -> None:
             uninstall_as_deepspeed()
 
 
+def test_a_bare_import_reaches_the_profiler() -> None:
+    """``import zerospeed as deepspeed``, then ``deepspeed.profiling.flops_profiler.X`` (DeepSpeed imports eagerly)."""
+    import subprocess
+
+    code = ("import zerospeed as ds; p = ds.profiling.flops_profiler; "
+            "assert p.FlopsProfiler.__module__ == 'zerospeed.profiling.flops_profiler.profiler'")
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
 def test_recomputed_forward_is_measured_as_backward_work() -> None:
     """Activation checkpointing runs the forward again inside backward: measured, no recompute factor."""
     from torch.utils.checkpoint import checkpoint
