@@ -124,8 +124,8 @@ def print_summary(out: TextIO, summary: Summary, profile_step: int, facts: RunFa
         line("step latency: ", duration_to_string(summary.step_latency))
         line("iter latency: ", duration_to_string(iteration))
         line("FLOPS per GPU = (fwd+bwd flops per GPU) / iter latency: ", _rate(both, iteration))
-        if facts is not None and iteration > 0:
-            line("samples/second: ", round(facts.micro_batch * facts.world_size / iteration, DEFAULT_PRECISION))
+        if facts is not None and iteration > 0:  # DeepSpeed multiplies by the world size; the batch is split over dp
+            line("samples/second: ", round(facts.micro_batch * facts.dp_size / iteration, DEFAULT_PRECISION))
 
 
 def print_aggregated(out: TextIO, tally: OpTally, model: nn.Module, module_depth: int = -1,
