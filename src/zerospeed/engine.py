@@ -29,6 +29,7 @@ from zerospeed.distributed.mesh import Mesh
 from zerospeed.engine_api import DeepSpeedEngineAPI
 from zerospeed.layer_drop import LayerDropSchedule
 from zerospeed.precision.policy import MixedPrecisionPolicy
+from zerospeed.profiling.flops_profiler.engine_profiler import NoFlopsProfiler, StepProfiler
 from zerospeed.profiling.timers import NoTimers, PhaseTimers
 from zerospeed.zero.contract import ModelState
 from zerospeed.zero.grads import GradBuckets
@@ -60,7 +61,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
                  optimizer: torch.optim.Optimizer | None, lr_scheduler: LRScheduler | None = None, *,
                  state: ModelState, mesh: Mesh, timers: PhaseTimers | None = None,
                  settings: TrainingPolicy | None = None, training_dataloader: DistributedLoader | None = None,
-                 layer_drop: LayerDropSchedule | None = None):
+                 layer_drop: LayerDropSchedule | None = None, flops_profiler: StepProfiler | None = None):
         super().__init__()
         if mesh.dp is not comm:
             raise ValueError("Engine(comm=..., mesh=...): comm must be the mesh's data-parallel Comm (mesh.dp)")
@@ -70,6 +71,8 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self.settings = settings if settings is not None else TrainingPolicy.from_config(cfg)
         # wall_clock_breakdown: phases timed (and synchronized) only when the config asks
         self.timers: PhaseTimers = timers if timers is not None else NoTimers()
+        # flops_profiler: brackets forward, backward and step; profiles the step profile_step
+        self.flops_profiler: StepProfiler = flops_profiler if flops_profiler is not None else NoFlopsProfiler()
         self.module = module
         self.config = cfg
         self.comm = comm
@@ -138,7 +141,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         if self.layer_drop is not None and self.module.training:  # DeepSpeed: training forwards only
             kwargs = {**kwargs, **self.layer_drop.forward_kwargs(self.global_steps)}
         args, kwargs = self.policy.cast_forward_args(args, kwargs)
-        with self.timers.phase("forward"):
+        with self.timers.phase("forward"), self.flops_profiler.forward(self.global_steps):
             return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
@@ -154,7 +157,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
             raise RuntimeError(f"engine.no_sync() is not supported with ZeRO stage {self.state.stage}: gradients "
                                f"are reduce-scattered into shards every micro-batch, so there is no local "
                                f"accumulation to skip (as in DeepSpeed); drop no_sync() or use stage 0 or 1")
-        with self.timers.phase("backward"):
+        with self.timers.phase("backward"), self.flops_profiler.backward():
             self.state.begin_backward(self.is_gradient_accumulation_boundary() and not self._in_no_sync)
             window = self.gradient_accumulation_steps() if scale_wrt_gas else 1
             scaled = self.scaler.scale_loss(loss.float() / window)
@@ -175,7 +178,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
     # -- step -----------------------------------------------------------------------------
     def step(self) -> None:
         """Call after every micro-batch; updates the weights at the end of each accumulation window."""
-        with self.timers.phase("step"):
+        with self.timers.phase("step"), self.flops_profiler.step(self.global_steps):
             applied = self._step()
         if applied:
             self._report()

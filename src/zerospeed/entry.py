@@ -26,6 +26,8 @@ from zerospeed.engine import Engine
 from zerospeed.layer_drop import LayerDropSchedule
 from zerospeed.optim.exchange import ExchangingOptimizer
 from zerospeed.precision.policy import MixedPrecisionPolicy
+from zerospeed.profiling.flops_profiler.engine_profiler import EngineFlopsProfiler, ProfileSettings
+from zerospeed.profiling.flops_profiler.report import RunFacts
 from zerospeed.profiling.timers import NoTimers, PhaseTimers, WallClockTimers
 from zerospeed.zero.contract import ModelState
 from zerospeed.zero.external import external_parameters
@@ -52,7 +54,7 @@ IMPLEMENTED = frozenset({
     "zero_optimization.offload_optimizer.pipeline_write", "zero_optimization.offload_optimizer.fast_init",
     "activation_checkpointing.cpu_checkpointing", "activation_checkpointing.contiguous_memory_optimization",
     "activation_checkpointing.synchronize_checkpoint_boundary", "activation_checkpointing.profile",
-    "wall_clock_breakdown", "sparse_gradients", "progressive_layer_drop", "comms_logger",
+    "wall_clock_breakdown", "sparse_gradients", "progressive_layer_drop", "comms_logger", "flops_profiler",
     # save_16bit_model / _zero3_consolidated_16bit_state_dict always gather the stage-3 shards.
     "zero_optimization.stage3_gather_16bit_weights_on_model_save",
 })
@@ -170,10 +172,12 @@ def initialize(args: Any = None, model: nn.Module | None = None,
         from zerospeed.pipe.engine import PipelineEngine
 
         engine: Engine = PipelineEngine(model, cfg, comm, policy, opt, sched, pipe=parts, state=state, mesh=mesh,
-                                        timers=_timers(cfg), settings=training, training_dataloader=loader)
+                                        timers=_timers(cfg), settings=training, training_dataloader=loader,
+                                        flops_profiler=_flops_profiler(cfg, model, mesh, norm, training))
     else:
         engine = Engine(model, cfg, comm, policy, opt, sched, state=state, mesh=mesh, timers=_timers(cfg),
-                        settings=training, training_dataloader=loader, layer_drop=layer_drop)
+                        settings=training, training_dataloader=loader, layer_drop=layer_drop,
+                        flops_profiler=_flops_profiler(cfg, model, mesh, norm, training))
     _ensure_log_handler()
     if group_rank() == 0:
         log.info("zerospeed config (resolved, every default in force):\n%s", cfg.to_json())
@@ -253,6 +257,23 @@ def _timers(cfg: Config) -> PhaseTimers:
     if not cfg.wall_clock_breakdown:
         return NoTimers()
     return WallClockTimers(synchronize=get_accelerator().synchronize)
+
+
+def _flops_profiler(cfg: Config, model: nn.Module, mesh: Mesh, norm: NormScope,
+                    training: TrainingPolicy) -> EngineFlopsProfiler | None:
+    """``flops_profiler``: every rank profiles ``profile_step``; the totals are summed over the Comms the
+    gradient norm is (tensor and pipeline ranks), each parameter counted where the norm counts it."""
+    section = cfg.flops_profiler
+    if not section.enabled:
+        return None
+    settings = ProfileSettings(profile_step=section.profile_step, module_depth=section.module_depth,
+                               top_modules=section.top_modules, detailed=section.detailed,
+                               output_file=section.output_file)
+    facts = RunFacts(world_size=group_size(), dp_size=mesh.dims.dp, mp_size=mesh.dims.tp,
+                     micro_batch=training.train_micro_batch_size_per_gpu)
+    return EngineFlopsProfiler(model, settings=settings, facts=facts, across=norm.across,
+                               counted_elsewhere=norm.counted_elsewhere, prints=group_rank() == 0,
+                               recompute_fwd_factor=section.recompute_fwd_factor)
 
 
 def _configure_activation_checkpointing(cfg: Config) -> None:

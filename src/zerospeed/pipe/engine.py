@@ -128,7 +128,9 @@ class PipelineEngine(Engine):
         hooks = StageHooks(next_batch=self._next_micro_batch, loss=self._loss, prepare_inputs=self._prepare,
                            scale=self._scale, weight_backward=self._weight_backward, step=step)
         run = StageRun(self._schedule, module=self.pipeline, link=self.pipe.link, hooks=hooks, stage=self.stage_id)
-        self._run(run)
+        steps = self.global_steps  # flops_profiler: the whole batch is one profile (counted as forward + backward)
+        with self.flops_profiler.step(steps), self.flops_profiler.forward(steps):
+            self._run(run)
         self.micro_steps += self.micro_batches
         self.agg_train_loss = self._aggregate(run.losses, self.micro_batches)
         self._last_loss = self.agg_train_loss

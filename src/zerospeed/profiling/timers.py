@@ -54,6 +54,10 @@ class WallClockTimers:
             self._synchronize()
             self._totals[name] += self._clock() - start
 
+    def totals(self) -> dict[str, float]:
+        """Seconds per phase since the last report."""
+        return dict(self._totals)
+
     def report(self, steps: int) -> str:
         """Mean milliseconds per optimizer step over the last ``steps`` steps (a step's forward and
         backward summed over its micro-batches); starts the next interval."""
