@@ -128,10 +128,14 @@ class PipelineEngine(Engine):
         hooks = StageHooks(next_batch=self._next_micro_batch, loss=self._loss, prepare_inputs=self._prepare,
                            scale=self._scale, weight_backward=self._weight_backward, step=step)
         run = StageRun(self._schedule, module=self.pipeline, link=self.pipe.link, hooks=hooks, stage=self.stage_id)
+        steps = self.global_steps
         self._run(run)
         self.micro_steps += self.micro_batches
         self.agg_train_loss = self._aggregate(run.losses, self.micro_batches)
         self._last_loss = self.agg_train_loss
+        if self.global_steps != steps:  # the monitors' events (the batch's loss is already averaged over dp)
+            self.step_events.add_loss(self.agg_train_loss)
+            self.step_events.after_step(self)
         if applied[0]:
             self._report()
         return self.agg_train_loss
@@ -212,9 +216,11 @@ class PipelineEngine(Engine):
     @contextlib.contextmanager
     def _weight_backward(self, final: bool) -> Iterator[None]:
         with self.timers.phase("backward"):
-            self.state.begin_backward(final)
-            yield
-            self.state.end_backward()
+            with self.timers.phase("backward_inner"):
+                self.state.begin_backward(final)
+                yield
+            with self.timers.phase("backward_allreduce"):
+                self.state.end_backward()
 
     def _window_grads(self) -> StepGrads:
         grads = self.state.step_grads()
