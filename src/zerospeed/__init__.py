@@ -35,7 +35,8 @@ _LAZY = {
 }
 
 # Subpackages reachable as attributes after a bare ``import zerospeed`` (``zerospeed.zero.Init``).
-_SUBMODULES = ("zero", "utils", "checkpoint", "ops", "checkpointing", "comm", "runtime", "moe", "accelerator")
+_SUBMODULES = ("zero", "utils", "checkpoint", "ops", "checkpointing", "comm", "runtime", "moe", "accelerator",
+               "monitor")
 
 __all__ = ["__version__", *_LAZY, *_SUBMODULES]
 

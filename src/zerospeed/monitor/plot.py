@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -123,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         result = plot_run(args.run_dir, args.output)
     except (FileNotFoundError, ValueError) as exc:
-        print(f"zerospeed plot: error: {exc}")
+        print(f"zerospeed plot: error: {exc}", file=sys.stderr)
         return 2
     print(result.path)
     return 0
