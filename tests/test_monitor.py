@@ -187,3 +187,27 @@ def test_without_fp16_there_is_no_loss_scale_event(tmp_path: Path) -> None:
     assert set(from_csv) == names
     _check_values(from_csv, outs, names)
     assert outs[1]["files"] == []
+
+
+def _train_pipeline(tmp: str) -> dict[str, Any]:
+    from zerospeed.testing.pipe_models import gpt_pipeline, rank_iterator, token_batches
+
+    rank = torch.distributed.get_rank()
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 1000,
+              "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}, "wall_clock_breakdown": True,
+              "pipeline": {"schedule": "1f1b"},
+              "csv_monitor": {"enabled": True, "output_path": os.path.join(tmp, f"rank{rank}"), "job_name": "pipe"}}
+    engine, *_ = zerospeed.initialize(model=gpt_pipeline(2, blocks=2), config=config)
+    it = rank_iterator(token_batches(3, 2, 2), 0)
+    losses = [float(engine.train_batch(it)) for _ in range(3)]
+    return {"losses": losses, "global_samples": engine.global_samples}
+
+
+def test_a_pipeline_writes_the_batch_loss_once_per_train_batch(tmp_path: Path) -> None:
+    outs = run_distributed(_train_pipeline, 2, str(tmp_path))  # 2 stages, one data-parallel replica
+    assert not (tmp_path / "rank1").exists()
+    read = _read_csv_dir(tmp_path / "rank0" / "pipe")
+    assert set(read) == (DEEPSPEED_EVENTS - {"Train/Samples/loss_scale"}) | OWN_EVENTS
+    assert outs[0]["global_samples"] == 12
+    assert read["Train/Samples/train_loss"] == ([4, 8, 12], pytest.approx(outs[0]["losses"], rel=1e-6))
+    assert read["Train/Samples/lr"] == ([4, 8, 12], [0.01] * 3)
