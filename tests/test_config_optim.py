@@ -138,6 +138,8 @@ def test_onebit_optimizers_run_at_zero_stages_0_to_2_and_refuse_stage_3_and_offl
         'optimizer.type: "OneBitLamb" cannot be combined with ZeRO stage 3: once it compresses, every rank '
         "needs the whole momentum and updates its whole parameters, which stage 3 never holds; use "
         "zero_optimization.stage 0, 1 or 2",)
+    load({"optimizer": {"type": "ZeroOneAdam"},  # no effect below stage 3: accepted as for any optimizer
+          "zero_optimization": {"stage": 1, "offload_param": {"device": "cpu"}}})
     assert problems({"optimizer": {"type": "ZeroOneAdam"},
                      "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}) == (
         'zero_optimization.offload_optimizer.device: "cpu" cannot be combined with "ZeroOneAdam": once it '

@@ -20,13 +20,13 @@ import torch
 
 import zerospeed
 from zerospeed.config import ConfigError
-from zerospeed.optim.onebit import OnebitAdam, padded_length
+from zerospeed.optim.onebit import OnebitAdam
 from zerospeed.testing import run_distributed
 from zerospeed.testing.configs import train_config
 from zerospeed.testing.data import train_on_regression_batches
 from zerospeed.testing.models import seeded_mlp
 from zerospeed.testing.parity import as_numpy_tree
-from zerospeed.zero.handover import HandoverPhase, HandoverState
+from zerospeed.zero.handover import HandoverState
 
 pytestmark = pytest.mark.spawns
 
@@ -186,14 +186,18 @@ def _client_optimizer_at(stage: int) -> str:
     return "accepted"
 
 
-def _tiny_model_at_stage_1() -> str:
-    model = torch.nn.Linear(1, 1, bias=False)
-    config = train_config(micro=1, optimizer={"type": "OneBitAdam", "params": {"lr": 0.1}}, zero={"stage": 1})
+def _refusal(model: torch.nn.Module, stage: int) -> str:
+    """What ``initialize`` says to a 1-bit Adam config at ``stage`` ("accepted" when it trains)."""
+    config = train_config(micro=1, optimizer={"type": "OneBitAdam", "params": {"lr": 0.1}}, zero={"stage": stage})
     try:
         zerospeed.initialize(model=model, config=config)
-    except ValueError as exc:
+    except ValueError as exc:  # ConfigError is a ValueError
         return str(exc)
     return "accepted"
+
+
+def _tiny_model_at_stage_1() -> str:
+    return _refusal(torch.nn.Linear(1, 1, bias=False), 1)
 
 
 def test_refusals_name_the_stage_and_the_fix() -> None:
@@ -203,3 +207,48 @@ def test_refusals_name_the_stage_and_the_fix() -> None:
     refusal = run_distributed(_tiny_model_at_stage_1, 2)
     assert "rank 1 holds no element of any trainable parameter" in refusal[1]
     assert "use zero_optimization.stage 0" in refusal[0]
+
+
+def _two_groups_save_load(path: str, save: bool) -> dict[str, Any]:
+    """Two parameter groups, the second (the last bias) held by rank 1 alone at stage 1: rank 0's optimizer has
+    an empty group while warming up, yet its compressing checkpoint holds error buffers for both groups."""
+    model = seeded_mlp(IN, HIDDEN, OUT, seed=3)
+    params = list(model.parameters())
+    optimizer = OnebitAdam([{"params": params[:-1]}, {"params": params[-1:]}], lr=0.01, freeze_step=3)
+    config = train_config(micro=ROWS, optimizer={"type": "Adam"}, zero={"stage": 1})
+    del config["optimizer"]
+    engine, opt, _, _ = zerospeed.initialize(model=model, optimizer=optimizer, config=config)
+    pieces = [len(group["params"]) for group in opt.param_groups]
+    if save:
+        _train(engine, 5)
+        engine.save_checkpoint(path, tag="t")
+    else:
+        engine.load_checkpoint(path, tag="t")
+    tail = _train(engine, 3, start=5)
+    return as_numpy_tree({"pieces": pieces, "tail": tail, "params": list(engine.module.parameters())})
+
+
+def test_a_group_without_pieces_on_a_rank_saves_and_resumes_exactly() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "ckpt")
+        first = run_distributed(_two_groups_save_load, 2, path, True)
+        again = run_distributed(_two_groups_save_load, 2, path, False)
+    assert first[0]["pieces"][1] == 0 < first[1]["pieces"][1]  # the case: rank 0 holds nothing of group 1
+    for rank in range(2):
+        assert again[rank]["tail"] == first[rank]["tail"]
+        assert all((a == b).all() for a, b in zip(again[rank]["params"], first[rank]["params"]))
+
+
+def _moe_with_onebit(stage: int) -> str:
+    from zerospeed.moe.layer import MoE
+
+    torch.manual_seed(3)
+    return _refusal(torch.nn.Sequential(torch.nn.Linear(8, 8), MoE(8, torch.nn.Linear(8, 8), num_experts=2)), stage)
+
+
+def test_a_model_with_experts_is_refused_at_every_stage() -> None:
+    """SplitState steps the shared optimizer once per replica group: a 1-bit optimizer would count two steps
+    per window (its set-up step and freeze shift) and compress in the middle of a window."""
+    for stage in (0, 1):
+        message = run_distributed(_moe_with_onebit, 2, stage)[0]
+        assert "OnebitAdam cannot train a model with expert (MoE) layers" in message and "use Adam" in message

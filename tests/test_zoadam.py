@@ -274,3 +274,17 @@ def test_registered_and_at_deepspeeds_path() -> None:
     assert section is not None
     opt = build_optimizer(OptimizerSpec.from_config(section), [nn.Parameter(torch.zeros(3))])
     assert isinstance(opt, ZeroOneAdam) and opt.var_update_scaler == 2 and opt.reduces_gradients()
+
+
+def test_rank_local_values_that_fit_no_parameter_are_refused_on_whole_tensors() -> None:
+    """A checkpoint's per-rank parameters of other shapes (another model) are an error where the optimizer
+    holds whole tensors; only ZeRO's pieces defer them to the hand-over (test_onebit_zero)."""
+    p = nn.Parameter(torch.zeros(4))
+    opt = ZeroOneAdam([p], var_freeze_step=1)
+    opt.state[p].update(step=5, exp_avg=torch.zeros(4), exp_avg_sq=torch.ones(4), momentum_accumulator=torch.zeros(4),
+                        var_interval=1, var_counter=0, local_step_interval=1, local_step_counter=0, lrs=0.0)
+    saved = {"own": [{"group": 0, "index": 0, "param": torch.ones(3), "exp_avg": torch.ones(3),
+                      "momentum_accumulator": torch.ones(3)}]}
+    with pytest.raises(ValueError, match=r"parameter 0 of group 0 \(shape \(3,\)\)"):
+        opt.load_rank_states(lambda rank: saved, 2, 0, 2)
+    assert torch.equal(p.detach(), torch.zeros(4))

@@ -55,7 +55,7 @@ IMPLEMENTED = frozenset({
     "zero_optimization.offload_optimizer.pipeline_write", "zero_optimization.offload_optimizer.fast_init",
     "activation_checkpointing.cpu_checkpointing", "activation_checkpointing.contiguous_memory_optimization",
     "activation_checkpointing.synchronize_checkpoint_boundary", "activation_checkpointing.profile",
-    "wall_clock_breakdown", "sparse_gradients", "progressive_layer_drop",
+    "wall_clock_breakdown", "sparse_gradients", "progressive_layer_drop", "comms_logger",
     "tensorboard", "csv_monitor", "wandb", "comet",
     # save_16bit_model / _zero3_consolidated_16bit_state_dict always gather the stage-3 shards.
     "zero_optimization.stage3_gather_16bit_weights_on_model_save",
@@ -113,6 +113,7 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     # Collectives time out as the process group was asked to (init_distributed(timeout=...)).
     pg_timeout = process_group_timeout()
     mesh = tp_setup.build_mesh(dims, mpu, None if pg_timeout == DEFAULT_TIMEOUT else pg_timeout)
+    _log_comms(mesh, cfg)
     comm = mesh.dp
     assert comm.world_size == cfg.world_size, "the batch arithmetic must use the data-parallel size"
 
@@ -152,7 +153,7 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     opt = _build_optimizer(optimizer, model_parameters, trainable, cfg, cpu_offload=offload)
     if offload:
         _warn_if_slow_on_cpu(opt)
-    exchanging = _check_exchanging(opt, zero, pipeline=pipeline is not None)
+    exchanging = _check_exchanging(opt, zero, pipeline=pipeline is not None, experts=moe_setup.has_experts(model))
     if moe_setup.has_experts(model):
         state: ModelState = _split_state(model, cfg, mesh, policy, zero=zero, training=training,
                                          has_optimizer=opt is not None, norm=norm, exchanging=exchanging)
@@ -188,6 +189,16 @@ def initialize(args: Any = None, model: nn.Module | None = None,
         if offload or state.stage == 3 and zero.offload_param.enabled:
             log.info("offload: %s", state.describe_offload())
     return engine, opt, loader, sched
+
+
+def _log_comms(mesh: Mesh, cfg: Config) -> None:
+    """The mesh's Comms record into the process's comms logger (``deepspeed.comm.log_summary`` prints
+    it), which a ``comms_logger`` section turns on; left off, each call pays one attribute read."""
+    from zerospeed.comm.summary import configure_from_config, process_logger
+
+    configure_from_config(cfg)
+    for axis_comm in mesh.comms.values():
+        axis_comm.comms_logger = process_logger()
 
 
 def _config_source(args: Any, config: Any, config_params: Any) -> Any:
@@ -383,12 +394,16 @@ def _replicated_state(model: nn.Module, cfg: Config, comm: Comm, policy: MixedPr
                            rows=SparseRows.of_model(model) if cfg.sparse_gradients else None)
 
 
-def _check_exchanging(opt: torch.optim.Optimizer | None, zero: ZeroPolicy, *, pipeline: bool) -> bool:
+def _check_exchanging(opt: torch.optim.Optimizer | None, zero: ZeroPolicy, *, pipeline: bool, experts: bool) -> bool:
     """Whether ``opt`` exchanges by itself (1-bit); refuses what such an optimizer cannot run with (a client
     optimizer object escapes the config's checks)."""
     if not isinstance(opt, ExchangingOptimizer):
         return False
     name = type(opt).__name__
+    if experts:
+        raise ConfigError(f"optimizer: {name} cannot train a model with expert (MoE) layers: their parameters are "
+                          f"a second model state over their own replica group, which would step the optimizer "
+                          f"twice per window and shift its warm-up and freeze; use Adam or AdamW")
     if zero.stage == 3:
         raise ConfigError(f"zero_optimization.stage: 3 cannot be combined with {name}: once it compresses, every "
                           f"rank needs the whole momentum and updates its whole parameters, which stage 3 never "

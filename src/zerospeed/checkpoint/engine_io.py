@@ -235,7 +235,13 @@ def load_checkpoint(engine: CheckpointedEngine, load_dir: str, tag: Any = None, 
         manifest = ckpt.manifest
         small = _load_groups(engine, topo, ckpt, names, load_module_strict, with_optimizer, allow_unsafe_pickle)
         if with_optimizer and isinstance(engine.optimizer, RankLocalState):
-            _restore_rank_local(engine.optimizer, topo, ckpt, allow_unsafe_pickle)
+            error: BaseException | None = None
+            try:
+                _restore_rank_local(engine.optimizer, topo, ckpt, allow_unsafe_pickle)
+            except _LOAD_ERRORS as exc:
+                error = exc
+            # the refresh after it is collective (a hand-over gathers): no rank may go on alone
+            comm.fail_together(error, "load_checkpoint", error_type=CheckpointError)
             _refresh_after_rank_local(engine)
     if load_module_only:
         return path, small.engine.get("client_state")

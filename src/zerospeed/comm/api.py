@@ -4,7 +4,9 @@ Every collective here runs on a :class:`~zerospeed.distributed.comm.Comm` bound 
 caller names (``group=None``: every rank), so it has Comm's timeout diagnostics; ``async_op=True``
 returns a handle with ``wait()`` and ``is_completed()`` as torch's ``Work`` has. Ranks (``src``) are
 global ranks, as in torch. A rank outside ``group`` does nothing and gets None, as in torch.
-The Comm is made per call and kept by nobody (no module state); it costs a few attribute reads.
+The Comm is made per call and kept by nobody; it costs a few attribute reads. It records into the
+process's comms logger (:mod:`.summary`, the one piece of module state, for DeepSpeed's
+``configure`` / ``log_summary``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from zerospeed.distributed.defaults import DEFAULT_PORT
 from zerospeed.distributed.env import DEFAULT_TIMEOUT, DistEnv, discover, process_group_timeout, shutdown_distributed
 from zerospeed.distributed.env import init_distributed as _start
 from zerospeed.distributed.groups import ProcessGroup
+from zerospeed.comm.summary import configure_from_config, process_logger
 
 if TYPE_CHECKING:
     from zerospeed.config import Config
@@ -42,11 +45,13 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                      config: "Config | Mapping[str, object] | str | None" = None,
                      rank: int = -1, world_size: int = -1) -> DistEnv:
     """Start the default process group unless one is up (the backend defaults to the accelerator's:
-    gloo on a CPU-only machine). ``config`` is accepted for DeepSpeed's signature (it configures
-    DeepSpeed's comms logger, which zerospeed does not have). Returns who this process is."""
+    gloo on a CPU-only machine). ``config`` (a Config, a config dict or a JSON path) configures the comms logger
+    from its ``comms_logger`` section, as DeepSpeed does. Returns who this process is."""
     if dist_init_required is False and not groups.is_initialized():
         raise RuntimeError("init_distributed(dist_init_required=False) but no process group is running; "
                            "start one first or pass dist_init_required=None")
+    if config is not None:
+        configure_from_config(config)
     return _start(dist_backend=dist_backend, auto_mpi_discovery=auto_mpi_discovery,
                   distributed_port=distributed_port, verbose=verbose, timeout=timeout,
                   init_method=init_method, rank=rank, world_size=world_size)
@@ -130,4 +135,5 @@ def _comm(group: ProcessGroup | None) -> Comm | None:
     target = group if group is not None else groups.world_group()
     if groups.group_rank(target) < 0:
         return None
-    return Comm(target, name="zerospeed.comm", timeout=process_group_timeout(), track_arrivals=False)
+    return Comm(target, name="zerospeed.comm", timeout=process_group_timeout(), track_arrivals=False,
+                comms_logger=process_logger())

@@ -258,9 +258,8 @@ def _onebit_problems(name: str, cfg: ConfigSections) -> list[tuple[tuple[str | i
         return [(("optimizer", "type"), f"{name} cannot be combined with ZeRO stage 3: once it compresses, every "
                                         f"rank needs the whole momentum and updates its whole parameters, which "
                                         f"stage 3 never holds; use zero_optimization.stage 0, 1 or 2")]
-    for section in ("offload_optimizer", "offload_param"):
-        if getattr(zero, section).enabled:
-            return [(("zero_optimization", section, "device"),
-                     f"{show(getattr(zero, section).device)} cannot be combined with {name}: once it compresses, "
-                     f"its state is whole on every rank and steps there; remove zero_optimization.{section}")]
+    if zero.stage in (1, 2) and zero.offload_optimizer.enabled:  # (stage 0 refuses offload_optimizer anyway)
+        return [(("zero_optimization", "offload_optimizer", "device"),
+                 f"{show(zero.offload_optimizer.device)} cannot be combined with {name}: once it compresses, "
+                 f"its state is whole on every rank and steps there; remove zero_optimization.offload_optimizer")]
     return []

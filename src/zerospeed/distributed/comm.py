@@ -39,6 +39,11 @@ not counted here either, and a reduce_scatter the policy runs as an all_reduce i
 as a reduce_scatter (the algorithm asked for; gloo's own is an all_reduce of a clone anyway, so
 on gloo the wire carries up to twice that). ``stats.snapshot()`` and ``stats.since(snapshot)``
 give per-step deltas.
+
+Timing is a policy the Comm holds: ``comms_logger`` (a
+:class:`~zerospeed.distributed.comms_logger.CommsLogger`, disabled unless given one that is enabled)
+times each call from entry to the end of the wait that completes it (async handles: until
+``wait()``), under the op's name and DeepSpeed's message size; see that module for the rule.
 """
 
 from __future__ import annotations
@@ -53,6 +58,8 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
+
+from zerospeed.distributed.comms_logger import CommsLogger, Probe
 
 ReduceOpName = Literal["sum", "avg", "max", "min", "product"]
 DEFAULT_COMM_TIMEOUT = datetime.timedelta(minutes=10)
@@ -224,8 +231,10 @@ def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
 class Handle:
     """An in-flight collective. ``wait()`` applies the timeout, then finishes any post-processing."""
 
-    def __init__(self, comm: "Comm", op: str, seq: int | None, work: Any, finish: Callable[[], None] | None):
+    def __init__(self, comm: "Comm", op: str, seq: int | None, work: Any, finish: Callable[[], None] | None,
+                 probe: Probe | None = None):
         self._comm, self._op, self._seq, self._work, self._finish = comm, op, seq, work, finish
+        self._probe = probe  # the comms logger's timer of this call, stopped when the wait completes
         self._done = False
 
     def wait(self) -> None:
@@ -235,6 +244,8 @@ class Handle:
         if self._finish is not None:
             self._finish()
         self._done = True
+        if self._probe is not None:
+            self._probe.stop()
 
     def is_completed(self) -> bool:
         """True once the result is in place (post-processing included), without blocking."""
@@ -248,6 +259,8 @@ class Comm:
 
     ``src``/``dst`` arguments are ranks *within this group*. ``reduce_scatter_policy`` defaults to
     the measured one for the group's backend (:meth:`ReduceScatterPolicy.for_backend`).
+    ``comms_logger`` times calls when enabled (default: a disabled one of its own); it is a plain
+    attribute, so an engine can hand its Comms the logger its config turned on.
     """
 
     def __init__(
@@ -259,6 +272,7 @@ class Comm:
         track_arrivals: bool = True,
         store: dist.Store | None = None,
         reduce_scatter_policy: ReduceScatterPolicy | None = None,
+        comms_logger: CommsLogger | None = None,
     ):
         if not dist.is_initialized():
             raise RuntimeError(
@@ -277,6 +291,8 @@ class Comm:
         self.reduce_scatter_policy = reduce_scatter_policy or ReduceScatterPolicy.for_backend(self._backend)
         self._alias_safe = self._backend in _ALIAS_SAFE_BACKENDS
         self.stats = CommStats()
+        self.comms_logger = comms_logger if comms_logger is not None else CommsLogger()
+        self._probe: Probe | None = None  # set by _enter, taken by the _run that follows it
         self._seq = 0
         self._store = (store or _default_store()) if track_arrivals else None
         # Which Comm over these ranks under this name this is: every rank builds its Comms in the same
@@ -351,10 +367,22 @@ class Comm:
         except Exception:  # a store that cannot count: arrivals are still tracked, under a shared key
             return 0
 
-    def _enter(self, op: str, nbytes: int, sent: int) -> int:
+    def _enter(self, op: str, nbytes: int, sent: int, msg_size: int | None = None, kind: str | None = None) -> int:
+        """Count a call about to be issued; start its timer when logging (``msg_size``: DeepSpeed's, default ``nbytes``)."""
         self._seq += 1
         self.stats.record(op, nbytes, sent)
+        # Two attribute reads when logging is off. Every collective method calls _enter (or _begin) and then
+        # _run with nothing in between that issues another call, so the pending probe is always its own.
+        if self.comms_logger.enabled:
+            self._begin(op, nbytes if msg_size is None else msg_size, kind)
+        else:
+            self._probe = None
         return self._seq
+
+    def _begin(self, op: str, msg_size: int, kind: str | None = None) -> None:
+        logger = self.comms_logger
+        self._probe = (logger.begin(kind or op, op, msg_size, self.world_size, sync=self._backend == "nccl")
+                       if logger.enabled else None)
 
     def wait_work(self, work: Any, op: str, seq: int | None) -> None:
         """Wait for ``work``; after a short patience announce where this rank is, then wait out the timeout."""
@@ -385,7 +413,8 @@ class Comm:
 
     def _run(self, op: str, seq: int | None, work: Any, async_op: bool,
              finish: Callable[[], None] | None = None) -> Handle | None:
-        handle = Handle(self, op, seq, work, finish)
+        handle = Handle(self, op, seq, work, finish, self._probe)
+        self._probe = None
         if async_op:
             return handle
         handle.wait()
@@ -459,7 +488,8 @@ class Comm:
         # Uneven parts are packed into a scratch buffer anyway, which is ours to clobber. Only
         # facts every rank shares (sizes, policy, the flag) may pick the collective.
         via_all_reduce = (inputs_writable or not even) and self.reduce_scatter_policy.use_all_reduce(numel)
-        seq = self._enter("reduce_scatter", _nbytes(parts), _nbytes(parts) - _nbytes([parts[self.rank]]))
+        seq = self._enter("reduce_scatter", _nbytes(parts), _nbytes(parts) - _nbytes([parts[self.rank]]),
+                          width * output.element_size())
         # the caller's one contiguous tensor, or None when inputs is a list or not contiguous
         flat = inputs if isinstance(inputs, torch.Tensor) and inputs.is_contiguous() else None
         if via_all_reduce:
@@ -499,7 +529,8 @@ class Comm:
         input is copied aside first, and only then.
         """
         parts, width, even = self._rank_parts("all_gather", outputs, input, "input")
-        seq = self._enter("all_gather", _nbytes(parts), (self.world_size - 1) * _nbytes([parts[self.rank]]))
+        seq = self._enter("all_gather", _nbytes(parts), (self.world_size - 1) * _nbytes([parts[self.rank]]),
+                          width * input.element_size())
         if even and isinstance(outputs, torch.Tensor) and outputs.is_contiguous():
             send, recv = input.contiguous().reshape(-1), outputs.reshape(-1)
             if not self._alias_safe and _overlaps(send, recv):
@@ -533,12 +564,14 @@ class Comm:
         different tag is a separate channel (pipeline activations and gradients use one each).
         """
         self.stats.record("send", _nbytes([tensor]), _nbytes([tensor]))
+        self._begin("send", _nbytes([tensor]))
         work = dist.isend(tensor.contiguous(), dst=self._global(dst), group=self.group, tag=tag)
         return self._run(f"send to rank {dst}{_tag_note(tag)}", None, work, async_op)
 
     def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False, tag: int = 0) -> Handle | None:
         """Point-to-point receive from group rank ``src`` into ``tensor`` (on channel ``tag``, see send)."""
         self.stats.record("recv", _nbytes([tensor]), 0)
+        self._begin("recv", _nbytes([tensor]))
         work = dist.irecv(tensor, src=self._global(src), group=self.group, tag=tag)
         return self._run(f"recv from rank {src}{_tag_note(tag)}", None, work, async_op)
 
@@ -593,7 +626,8 @@ class Comm:
                                      f"but {name} has {rows} rows")
         if input.dtype != output.dtype:
             raise TypeError(f"all_to_all_single: input is {input.dtype} but output is {output.dtype}")
-        seq = self._enter(op, _nbytes([input]), _split_sent_bytes(input, input_split_sizes, self.rank, self.world_size))
+        seq = self._enter(op, _nbytes([input]), _split_sent_bytes(input, input_split_sizes, self.rank, self.world_size),
+                          kind="all_to_all_single")
         work = dist.all_to_all_single(
             output, input,
             output_split_sizes=None if output_split_sizes is None else list(output_split_sizes),

@@ -20,8 +20,9 @@ __all__ = ["ExchangingOptimizer", "HoldsSideTensors", "RankLocalState"]
 class ExchangingOptimizer(Protocol):
     """An optimizer that owns (part of) the data-parallel exchange."""
 
-    def bind_exchange(self, comm: Comm) -> None:
-        """The replica group the optimizer's collectives run over (given by the model state on adopt)."""
+    def bind_exchange(self, comm: Comm, *, pieces: bool = False) -> None:
+        """The replica group the optimizer's collectives run over (given by the model state on adopt);
+        ``pieces``: its tensors are ZeRO shard pieces until :meth:`params_replaced` hands it whole ones."""
 
     def reduces_gradients(self) -> bool:
         """Whether the coming window's gradients must be averaged by the model state (False: the

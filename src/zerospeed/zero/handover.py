@@ -72,7 +72,7 @@ class HandoverState:
                             f"1-bit LAMB); got {type(optimizer).__name__}")
         assert self._sharded is not None, "adopt() comes before any hand-over"
         self._groups = [list(group["params"]) for group in optimizer.param_groups]
-        optimizer.bind_exchange(self.comm)
+        optimizer.bind_exchange(self.comm, pieces=True)
         self._sharded.adopt(optimizer)
         self._exchange = optimizer
         error = None

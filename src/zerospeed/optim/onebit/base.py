@@ -140,6 +140,7 @@ class OneBitOptimizer(Optimizer):
         self.eps_inside_sqrt = eps_inside_sqrt
         self.cuda_aware = cuda_aware
         self.initialized = False  # DeepSpeed's first step() only sets the state up
+        self.on_pieces = False  # the tensors are ZeRO shard pieces until params_replaced() (bind_exchange)
 
     # -- what every step does ---------------------------------------------------------------
     @staticmethod
@@ -166,7 +167,8 @@ class OneBitOptimizer(Optimizer):
                 t.mul_(mask.to(t.device))
 
     # -- ranks ------------------------------------------------------------------------------
-    def bind_exchange(self, comm: Comm) -> None:
+    def bind_exchange(self, comm: Comm, *, pieces: bool = False) -> None:
+        self.on_pieces = pieces
         if self._comm is not None and self._comm is not comm and self._comm.global_ranks != comm.global_ranks:
             raise ValueError(f"{type(self).__name__} already exchanges over ranks {self._comm.global_ranks}; a second "
                              f"model state over ranks {comm.global_ranks} (expert parallelism) is not supported: "
@@ -235,7 +237,10 @@ class OneBitOptimizer(Optimizer):
         self.sync_phase()
 
     def _device(self, index: int) -> torch.device:
-        return self.param_groups[index]["params"][0].device
+        """Where group ``index``'s buffers live: its tensors' device (every tensor is on one device; under ZeRO
+        a group may hold no piece on this rank, yet its buffers are restored for after the hand-over)."""
+        group = self.param_groups[index]["params"] or [p for g in self.param_groups for p in g["params"]]
+        return group[0].device if group else torch.device("cpu")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """DeepSpeed's rule: the checkpoint's state decides the phase; the user's ``exp_avg_mask``
@@ -254,6 +259,7 @@ class OneBitOptimizer(Optimizer):
     def params_replaced(self) -> None:
         """ZeRO's shard pieces were replaced by whole tensors, the state re-keyed (see
         :class:`~zerospeed.zero.handover.HandoverState`): the phase and caches follow the new tensors."""
+        self.on_pieces = False
         self.sync_phase()
 
     def _phase_state(self) -> dict[str, Any]:

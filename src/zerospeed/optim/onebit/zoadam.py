@@ -200,13 +200,13 @@ class ZeroOneAdam(OneBitOptimizer):
         if saved_world != world_size:
             self._own_pending = []  # another world: the element-wise values the engine restored stand
             return
-        self._apply_own(final=False)
+        self._apply_own(final=not self.on_pieces)
 
     def _apply_own(self, final: bool) -> None:
         """Put the pending rank-local values on the parameters they were saved from. While the
         optimizer holds ZeRO shard pieces (a local-phase checkpoint loaded at stage 1-2) they do not fit:
         they wait for the whole tensors the model state hands over at the end of that load
-        (:meth:`params_replaced`, ``final``), where a misfit is an error."""
+        (:meth:`params_replaced`); on whole tensors (``final``) a misfit is an error."""
         if not self._own_pending:
             return
         where = {(i, j): p for i, j, p in self._owned()}
