@@ -4,8 +4,8 @@ Two engines over two copies of the example GPT (``examples/gpt.py``, same seed, 
 batches), identical configs but for ``wall_clock_breakdown`` (stage 0, AdamW, fp32, gradient
 accumulation 2, ``steps_per_print`` 10, so the on side also formats and logs its breakdown lines, to a
 logger nobody reads). They live in the same ``--world`` gloo rank processes (1 torch thread each) and
-train in interleaved rounds of ``--steps`` optimizer steps, alternating which side goes first, so machine
-load falls on both alike. A step's time is rank 0's wall time for its micro-batches' forward, backward
+train in interleaved rounds of ``--steps`` optimizer steps (default 1: each round is two adjacent steps,
+one per side), alternating which side goes first, so machine load falls on both alike. A step's time is rank 0's wall time for its micro-batches' forward, backward
 and step calls.
 
 Prints each side's step-time table (median, p10, p90, min, max, per-round medians), then ``ratio on/off``:
@@ -14,7 +14,7 @@ ratio carries the machine's noise, so the timers' own cost is also measured dire
 phase bracket (enter and exit) of ``NoTimers`` and of ``WallClockTimers`` (CPU: its synchronize is the
 accelerator's, a no-op), times the brackets an optimizer step opens, as a share of the median step.
 
-    python benchmarks/bench_wall_clock.py [--quick] [--world 2] [--rounds 12] [--steps 10] [--layers 4]
+    python benchmarks/bench_wall_clock.py [--quick] [--world 2] [--rounds 150] [--steps 1] [--layers 4]
         [--width 128] [--seq 64] [--batch 8]
 """
 
@@ -103,17 +103,17 @@ def bracket_ns(timers: Any, repeats: int = 200_000) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="6 rounds of 5 steps")
+    parser.add_argument("--quick", action="store_true", help="30 rounds")
     parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=12)
-    parser.add_argument("--steps", type=int, default=10, help="optimizer steps per side per round")
+    parser.add_argument("--rounds", type=int, default=150)
+    parser.add_argument("--steps", type=int, default=1, help="optimizer steps per side per round")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8)
     args = parser.parse_args()
     if args.quick:
-        args.rounds, args.steps = 6, 5
+        args.rounds = 30
     spec = vars(args)
     from _report import print_step_table
     from zerospeed.testing import run_distributed
