@@ -13,7 +13,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml Makefile setup.py src/zerospeed/ops/csrc/cpu_optim.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e ".[test,integrations]"
+	$(BIN)/pip install --quiet -e ".[test,integrations,plot]"
 	touch $(STAMP)
 
 demo: install

@@ -6,6 +6,9 @@ the DeepSpeed JSON config into a data-parallel bf16 engine with AdamW, a warmup-
 gradient clipping, and its loader gives each rank its share of fixed-length token windows. Rank 0
 shows progress and ends with a summary: train and validation loss before/after, throughput, peak
 memory of every rank, the config settings in force beyond the defaults, and a sampled continuation.
+The config's ``csv_monitor`` writes DeepSpeed's per-step events (loss, learning rate, throughput,
+memory) as CSV files under ``--monitor_dir``/demo (a run appends to them), and the summary names the
+picture ``zerospeed plot`` draws from them, after checking that its loss curve is the printed losses.
 
 ``--moe_experts 4 --ep_size 2`` trains the mixture-of-experts variant instead: every other block's MLP
 becomes DeepSpeed's ``MoE`` layer over 4 experts (top-2, dropless), each rank holding 2 of them and
@@ -61,11 +64,15 @@ def cached_corpus(max_bytes: int) -> bytes:
 
 
 def load_demo_config(path: str, steps: int, zero_stage: int | None = None,
-                     layer_drop: tuple[float, float] | None = None) -> dict:
+                     layer_drop: tuple[float, float] | None = None, monitor_dir: str | None = None) -> dict:
     """The JSON config, with a decaying schedule stretched to the requested number of steps (and the
     ZeRO stage replaced when one is asked for, to compare stages on the same run; ``layer_drop``:
-    (theta, gamma) of a ``progressive_layer_drop`` section)."""
+    (theta, gamma) of a ``progressive_layer_drop`` section; ``monitor_dir``: the CSV monitor's
+    output_path when the config leaves it empty)."""
     config = json.loads(Path(path).read_text())
+    monitor = config.get("csv_monitor") or {}
+    if monitor.get("enabled") and not monitor.get("output_path") and monitor_dir:
+        monitor["output_path"] = monitor_dir
     if zero_stage is not None:
         config.setdefault("zero_optimization", {})["stage"] = zero_stage
     if layer_drop is not None:
@@ -163,6 +170,8 @@ def main() -> None:
     parser.add_argument("--pld", type=float, default=None, metavar="THETA",
                         help="progressive layer drop with this theta-bar (0.5 in the paper; off by default)")
     parser.add_argument("--pld_gamma", type=float, default=0.01, help="theta(t)'s decay rate with --pld")
+    parser.add_argument("--monitor_dir", default=str(Path(tempfile.gettempdir()) / "zerospeed-demo" / "monitor"),
+                        help="where the config's csv_monitor writes (when its output_path is empty)")
     args = parser.parse_args()
 
     # The progress bar and summary say what the engine's INFO lines would (the full config is --full_config).
@@ -173,7 +182,7 @@ def main() -> None:
     train_data, val_data = TokenWindows(train_tokens, args.seq_len), TokenWindows(val_tokens, args.seq_len)
     model = GPT(GPTConfig(seq_len=args.seq_len, **moe_options(args)))
     config = load_demo_config(args.deepspeed_config, args.steps, args.zero_stage,
-                              None if args.pld is None else (args.pld, args.pld_gamma))
+                              None if args.pld is None else (args.pld, args.pld_gamma), args.monitor_dir)
     engine, _, loader, _ = zerospeed.initialize(model=model, config=config, training_data=train_data)
     comm, cfg, show = engine.comm, engine.config, engine.comm.rank == 0
     if show:
@@ -196,6 +205,7 @@ def main() -> None:
     if not show:
         return
     fell = print_summary(engine, args, losses, (val_before, val_after), elapsed, tokens, memory)
+    print_plot(engine, losses)
     if args.sample_tokens:
         print(f"  sample               {text!r}")
     if args.full_config:
@@ -231,6 +241,28 @@ def print_summary(engine: zerospeed.Engine, args: argparse.Namespace, losses: li
     print("  config beyond defaults (resolved; --full_config prints all of it):")
     print(format_settings(non_default_settings(engine.config, engine.comm.world_size), "    "))
     return last < losses[0] and val[1] < val[0]
+
+def print_plot(engine: zerospeed.Engine, losses: list[float]) -> None:
+    """Draw the CSV monitor's run (``zerospeed plot``), check its loss curve against ``losses`` (the
+    printed per-step losses: each step's mean over micro-batches and ranks, as the monitor's
+    ``Train/Samples/train_loss``) and name the PNG."""
+    monitor = engine.config.csv_monitor
+    if not monitor.enabled:
+        return
+    from zerospeed.monitor.plot import plot_run
+
+    run_dir = Path(monitor.output_path) / monitor.job_name
+    result = plot_run(run_dir)
+    drawn = result.drawn["Train/Samples/train_loss"].values
+    if len(drawn) != len(losses):
+        raise SystemExit(f"the plot drew {len(drawn)} losses, the run printed {len(losses)}")
+    gap = max(abs(a - b) for a, b in zip(drawn, losses))
+    if gap > 1e-4:
+        raise SystemExit(f"the plot's loss curve differs from the printed losses by up to {gap:.2e}")
+    print(f"  monitor (csv)        {run_dir}")
+    print(f"  training plot        {result.path} (its loss curve = the {len(losses)} per-step losses above, "
+          f"max difference {gap:.1e})")
+
 
 if __name__ == "__main__":
     main()

@@ -77,6 +77,15 @@ PATHS = {
     "deepspeed.ops.adagrad": {"DeepSpeedCPUAdagrad": "zerospeed.ops.adagrad.CPUAdagrad"},
     "deepspeed.ops.lion": {"DeepSpeedCPULion": "zerospeed.ops.lion.CPULion"},
     "deepspeed.moe.utils": {"is_moe_param": None, "split_params_into_different_moe_groups_for_optimizer": None},
+    "deepspeed.monitor.monitor": {"MonitorMaster": "zerospeed.monitor.monitor.MonitorMaster",
+                                  "Monitor": "zerospeed.monitor.base.Monitor"},
+    "deepspeed.monitor.csv_monitor": {"csvMonitor": None},
+    "deepspeed.monitor.tensorboard": {"TensorBoardMonitor": None},
+    "deepspeed.monitor.wandb": {"WandbMonitor": None},
+    "deepspeed.monitor.comet": {"CometMonitor": None},
+    "deepspeed.monitor.config": {"get_monitor_config": None, "DeepSpeedMonitorConfig": None},
+    "deepspeed.monitor.utils": {"check_tb_availability": None, "check_wandb_availability": None,
+                                "check_comet_availability": None},
 }
 
 
@@ -131,6 +140,7 @@ def test_attribute_chains_after_a_bare_import(as_deepspeed: None) -> None:
     assert deepspeed.zero.GatheredParameters is deepspeed.runtime.zero.GatheredParameters
     assert deepspeed.checkpointing.configure is deepspeed.runtime.activation_checkpointing.checkpointing.configure
     assert callable(deepspeed.comm.get_rank)
+    assert deepspeed.monitor.monitor.MonitorMaster is deepspeed.monitor.MonitorMaster
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         deepspeed.runtime.nothing
 

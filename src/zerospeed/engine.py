@@ -28,6 +28,7 @@ from zerospeed.distributed.comm import Comm, CommCounts
 from zerospeed.distributed.mesh import Mesh
 from zerospeed.engine_api import DeepSpeedEngineAPI
 from zerospeed.layer_drop import LayerDropSchedule
+from zerospeed.monitor.events import NoStepEvents, StepEvents
 from zerospeed.precision.policy import MixedPrecisionPolicy
 from zerospeed.profiling.flops_profiler.engine_profiler import NoFlopsProfiler, StepProfiler
 from zerospeed.profiling.timers import NoTimers, PhaseTimers
@@ -61,7 +62,8 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
                  optimizer: torch.optim.Optimizer | None, lr_scheduler: LRScheduler | None = None, *,
                  state: ModelState, mesh: Mesh, timers: PhaseTimers | None = None,
                  settings: TrainingPolicy | None = None, training_dataloader: DistributedLoader | None = None,
-                 layer_drop: LayerDropSchedule | None = None, flops_profiler: StepProfiler | None = None):
+                 layer_drop: LayerDropSchedule | None = None, flops_profiler: StepProfiler | None = None,
+                 step_events: StepEvents | NoStepEvents | None = None):
         super().__init__()
         if mesh.dp is not comm:
             raise ValueError("Engine(comm=..., mesh=...): comm must be the mesh's data-parallel Comm (mesh.dp)")
@@ -73,6 +75,9 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self.timers: PhaseTimers = timers if timers is not None else NoTimers()
         # flops_profiler: brackets forward, backward and step; profiles the step profile_step
         self.flops_profiler: StepProfiler = flops_profiler if flops_profiler is not None else NoFlopsProfiler()
+        # the monitors (DeepSpeed's engine.monitor, a MonitorMaster) and the events written at each step
+        self.step_events = step_events if step_events is not None else NoStepEvents()
+        self.monitor = self.step_events.master
         self.module = module
         self.config = cfg
         self.comm = comm
@@ -153,16 +158,19 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
             raise ValueError(f"engine.backward expects a scalar loss tensor, got {type(loss).__name__}"
                              f"{'' if not isinstance(loss, torch.Tensor) else ' of shape ' + str(tuple(loss.shape))}")
         self._last_loss = loss.detach()  # read only when reporting: no device sync per micro-batch
+        self.step_events.add_loss(self._last_loss)
         if self._in_no_sync and not self.state.allows_no_sync():
             raise RuntimeError(f"engine.no_sync() is not supported with ZeRO stage {self.state.stage}: gradients "
                                f"are reduce-scattered into shards every micro-batch, so there is no local "
                                f"accumulation to skip (as in DeepSpeed); drop no_sync() or use stage 0 or 1")
         with self.timers.phase("backward"), self.flops_profiler.backward():
-            self.state.begin_backward(self.is_gradient_accumulation_boundary() and not self._in_no_sync)
-            window = self.gradient_accumulation_steps() if scale_wrt_gas else 1
-            scaled = self.scaler.scale_loss(loss.float() / window)
-            scaled.backward(retain_graph=retain_graph)
-            self.state.end_backward()
+            with self.timers.phase("backward_inner"):
+                self.state.begin_backward(self.is_gradient_accumulation_boundary() and not self._in_no_sync)
+                window = self.gradient_accumulation_steps() if scale_wrt_gas else 1
+                scaled = self.scaler.scale_loss(loss.float() / window)
+                scaled.backward(retain_graph=retain_graph)
+            with self.timers.phase("backward_allreduce"):
+                self.state.end_backward()
         self._window_open = True
         return loss
 
@@ -178,8 +186,11 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
     # -- step -----------------------------------------------------------------------------
     def step(self) -> None:
         """Call after every micro-batch; updates the weights at the end of each accumulation window."""
-        with self.timers.phase("step"), self.flops_profiler.step(self.global_steps):
+        steps = self.global_steps
+        with self.timers.phase("step"), self.flops_profiler.step(steps):
             applied = self._step()
+        if self.global_steps != steps:  # an optimizer step (applied, or skipped for overflow)
+            self.step_events.after_step(self)
         if applied:
             self._report()
 
@@ -206,7 +217,8 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         """End an accumulation window: unscale, measure, clip and apply its gradients (or skip the step
         on an fp16 overflow); True when the weights were updated."""
         self._step_applied = False
-        grads = self._window_grads()
+        with self.timers.phase("backward_allreduce"):  # waiting on the window's gradient reduction
+            grads = self._window_grads()
         if self.scaler.loss_scale != 1.0:
             grads.div_(self.scaler.loss_scale)
         # One number answers both questions: the global norm is finite iff no rank has an inf/nan.
@@ -327,10 +339,11 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
 
     def destroy(self) -> None:
         """Release what the engine holds beyond tensors (as ``DeepSpeedEngine.destroy``): wait for an
-        asynchronous save, remove its hooks from the model, stop background threads, and delete
-        this run's NVMe swap files. The engine cannot train afterwards."""
+        asynchronous save, remove its hooks from the model, stop background threads, delete this
+        run's NVMe swap files and close its monitors. The engine cannot train afterwards."""
         self.wait_for_checkpoint()
         self.state.remove_hooks()
+        self.monitor.close()
 
     def next_checkpoint_call(self) -> int:
         """Number this save's handshake; every rank counts its saves the same way."""
@@ -419,11 +432,13 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         every = self.settings.steps_per_print
         if not every or self.global_steps % every:
             return
-        breakdown = self.timers.report(every)  # on every rank: each starts its next interval
+        # on every rank: each starts its next interval
+        breakdown = self.timers.report(every, every * self.gradient_accumulation_steps())
         if self.comm.rank != 0:
             return
         if breakdown is not None:
-            log.info("step %d  %s", self.global_steps, breakdown)
+            for line in breakdown.splitlines():
+                log.info("step %d  %s", self.global_steps, line)
         now = time.perf_counter()
         rate = every * self.train_batch_size() / max(now - self._tick, 1e-9)
         self._tick = now

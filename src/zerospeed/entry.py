@@ -24,6 +24,9 @@ from zerospeed.distributed.groups import group_rank, group_size
 from zerospeed.distributed.mesh import Mesh
 from zerospeed.engine import Engine
 from zerospeed.layer_drop import LayerDropSchedule
+from zerospeed.monitor.config import DeepSpeedMonitorConfig
+from zerospeed.monitor.events import NoStepEvents, StepEvents, step_events
+from zerospeed.monitor.monitor import MonitorMaster
 from zerospeed.optim.exchange import ExchangingOptimizer
 from zerospeed.precision.policy import MixedPrecisionPolicy
 from zerospeed.profiling.flops_profiler.engine_profiler import EngineFlopsProfiler, ProfileSettings
@@ -55,6 +58,7 @@ IMPLEMENTED = frozenset({
     "activation_checkpointing.cpu_checkpointing", "activation_checkpointing.contiguous_memory_optimization",
     "activation_checkpointing.synchronize_checkpoint_boundary", "activation_checkpointing.profile",
     "wall_clock_breakdown", "sparse_gradients", "progressive_layer_drop", "comms_logger", "flops_profiler",
+    "tensorboard", "csv_monitor", "wandb", "comet",
     # save_16bit_model / _zero3_consolidated_16bit_state_dict always gather the stage-3 shards.
     "zero_optimization.stage3_gather_16bit_weights_on_model_save",
 })
@@ -173,11 +177,13 @@ def initialize(args: Any = None, model: nn.Module | None = None,
 
         engine: Engine = PipelineEngine(model, cfg, comm, policy, opt, sched, pipe=parts, state=state, mesh=mesh,
                                         timers=_timers(cfg), settings=training, training_dataloader=loader,
-                                        flops_profiler=_flops_profiler(cfg, model, mesh, norm, training))
+                                        flops_profiler=_flops_profiler(cfg, model, mesh, norm, training),
+                                        step_events=_step_events(cfg, comm))
     else:
         engine = Engine(model, cfg, comm, policy, opt, sched, state=state, mesh=mesh, timers=_timers(cfg),
                         settings=training, training_dataloader=loader, layer_drop=layer_drop,
-                        flops_profiler=_flops_profiler(cfg, model, mesh, norm, training))
+                        flops_profiler=_flops_profiler(cfg, model, mesh, norm, training),
+                        step_events=_step_events(cfg, comm))
     _ensure_log_handler()
     if group_rank() == 0:
         log.info("zerospeed config (resolved, every default in force):\n%s", cfg.to_json())
@@ -274,6 +280,13 @@ def _flops_profiler(cfg: Config, model: nn.Module, mesh: Mesh, norm: NormScope,
     return EngineFlopsProfiler(model, settings=settings, facts=facts, across=norm.across,
                                counted_elsewhere=norm.counted_elsewhere, prints=group_rank() == 0,
                                recompute_fwd_factor=section.recompute_fwd_factor)
+
+
+def _step_events(cfg: Config, comm: Comm) -> StepEvents | NoStepEvents:
+    """The monitor sections: DeepSpeed's ``MonitorMaster`` (rank 0 writes) and the events each optimizer
+    step writes to it; nothing when no monitor is enabled."""
+    master = MonitorMaster(DeepSpeedMonitorConfig.from_config(cfg), rank=group_rank())
+    return step_events(master, comm=comm, fp16=cfg.fp16.enabled is True)
 
 
 def _configure_activation_checkpointing(cfg: Config) -> None:

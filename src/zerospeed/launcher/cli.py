@@ -29,11 +29,19 @@ Subcommand = Callable[[list[str]], int]
 
 
 def subcommands() -> Mapping[str, Subcommand]:
-    """Subcommands by name: ``convert`` (a checkpoint to safetensors), ``report`` (what this install runs).
+    """Subcommands by name: ``convert`` (a checkpoint to safetensors), ``report`` (what this install runs),
+    ``plot`` (a CSV monitor run as a PNG).
 
     A script that happens to share a subcommand's name can still be launched as ``./name``.
     """
-    return MappingProxyType({"convert": _convert, "report": _report})
+    return MappingProxyType({"convert": _convert, "report": _report, "plot": _plot})
+
+
+def _plot(argv: list[str]) -> int:
+    """``zerospeed plot RUN_DIR``: matplotlib is imported on use."""
+    from zerospeed.monitor.plot import main as plot_main
+
+    return plot_main(argv)
 
 
 def _report(argv: list[str]) -> int:

@@ -134,6 +134,9 @@ class PipelineEngine(Engine):
         self.micro_steps += self.micro_batches
         self.agg_train_loss = self._aggregate(run.losses, self.micro_batches)
         self._last_loss = self.agg_train_loss
+        if self.global_steps != steps:  # the monitors' events (the batch's loss is already averaged over dp)
+            self.step_events.add_loss(self.agg_train_loss)
+            self.step_events.after_step(self)
         if applied[0]:
             self._report()
         return self.agg_train_loss
@@ -214,9 +217,11 @@ class PipelineEngine(Engine):
     @contextlib.contextmanager
     def _weight_backward(self, final: bool) -> Iterator[None]:
         with self.timers.phase("backward"):
-            self.state.begin_backward(final)
-            yield
-            self.state.end_backward()
+            with self.timers.phase("backward_inner"):
+                self.state.begin_backward(final)
+                yield
+            with self.timers.phase("backward_allreduce"):
+                self.state.end_backward()
 
     def _window_grads(self) -> StepGrads:
         grads = self.state.step_grads()
