@@ -29,17 +29,25 @@ Subcommand = Callable[[list[str]], int]
 
 
 def subcommands() -> Mapping[str, Subcommand]:
-    """Subcommands by name: ``convert`` (a checkpoint to safetensors), ``report`` (what this install runs).
+    """Subcommands by name: ``convert`` (a checkpoint to safetensors), ``report`` (what this install runs),
+    ``plan`` (per-rank peak memory of a config before running it).
 
     A script that happens to share a subcommand's name can still be launched as ``./name``.
     """
-    return MappingProxyType({"convert": _convert, "report": _report})
+    return MappingProxyType({"convert": _convert, "report": _report, "plan": _plan})
 
 
 def _report(argv: list[str]) -> int:
     from zerospeed.report import main as report_main
 
     return report_main(argv)
+
+
+def _plan(argv: list[str]) -> int:
+    """``zerospeed plan``: imported on use, like ``convert``."""
+    from zerospeed.plan.cli import plan_main
+
+    return plan_main(argv)
 
 
 def _convert(argv: list[str]) -> int:
