@@ -69,7 +69,14 @@ def workspace_bytes(model: nn.Module, settings: RunSettings) -> int:
     if st.stage == 3:
         specs, plan = unit_layout(model, st)
         fulls = sorted((u.padded_numel for u, spec in zip(plan.units, specs) if not spec.persistent), reverse=True)
-        backward += sum(fulls[:2]) * _itemsize(st.param_dtype)  # the unit in use and the one prefetched
+        # a unit is released after its module only when its next use is farther than max_reuse_distance
+        # elements: with DeepSpeed's default (1e9) every unit stays gathered from forward through its
+        # backward, up to max_live_parameters; otherwise the unit in use and the one prefetched
+        if st.zero.max_reuse_distance >= sum(fulls):
+            gathered = min(sum(fulls), st.zero.max_live_parameters + (fulls[0] if fulls else 0))
+        else:
+            gathered = sum(fulls[:2])
+        backward += gathered * _itemsize(st.param_dtype)
     if st.optimizer in _CPU_OPTIMIZERS or st.optimizer == "none":
         return backward
     if st.stage == 0:
