@@ -171,3 +171,66 @@ def test_cli_errors_name_the_argument_and_the_fix(argv: list[str], message: str,
     code = cli_main(["plan", str(ROOT / "examples" / "demo_config.json"), *argv, "--baseline", "200MiB"])
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.fc(x))
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 16)
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(3))
+        self.out = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def test_activation_trace_counts_what_autograd_keeps() -> None:
+    from zerospeed.plan.activations import ActivationTrace, trace_activations
+
+    with torch.device("meta"):
+        model = _Net()
+    trace = trace_activations(model, torch.zeros(1, 8), micro_batch=5)
+    row = 5 * 16 * 4  # one [5, 16] fp32 activation
+    # inp keeps x (5x8 fp32); block 0 keeps its input and its relu output; blocks 1-2 only their relu
+    # output (their input is the previous relu output, one storage); out keeps block 2's output (same)
+    assert trace == ActivationTrace(saved=5 * 8 * 4 + 4 * row, in_blocks=4 * row, block_inputs=3 * row,
+                                    largest_block=2 * row, largest_tensor=row)
+    assert trace.peak(checkpointing=False) == 160 + 4 * row + row
+    assert trace.peak(checkpointing=True) == 160 + 3 * row + 2 * row + row
+    assert trace_activations(model, torch.zeros(1, 8), micro_batch=10) == trace.scaled(2)
+
+
+def test_plan_predicts_the_demo_ranks_peak_rss_within_10_percent() -> None:
+    """The demo GPT on 2 real ranks (each its own process, as launched), stages 1 with CPU offload and 3."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_plan
+
+    from zerospeed.plan.activations import trace_activations
+    from zerospeed.plan.baseline import measure_baseline
+    from zerospeed.plan.factory import build_on_meta
+    from zerospeed.plan.memory_plan import plan_memory
+    from zerospeed.plan.settings import run_settings
+
+    baseline = measure_baseline()
+    model, example = build_on_meta(DEMO)
+    base = json.loads((ROOT / "examples" / "demo_config.json").read_text())
+    for stage, offload in ((1, True), (3, False)):
+        config = bench_plan.case_config(base, stage, offload)
+        settings = run_settings(config, 2)
+        trace = trace_activations(model, example, micro_batch=settings.micro_batch,
+                                  compute_dtype=settings.states.param_dtype)
+        predicted = plan_memory(model, trace, settings, baseline, traced_batch=settings.micro_batch).peak
+        measured = max(r["peak"] for r in bench_plan.run_ranks([DEMO, json.dumps(config), "2"]))
+        assert abs(predicted - measured) <= 0.10 * measured, (stage, offload, predicted, measured)

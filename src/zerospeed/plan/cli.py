@@ -108,6 +108,10 @@ def _run(argv: list[str]) -> int:
           f"activation checkpointing {'on' if settings.checkpoint_activations else 'off'}")
     for name, value in plan.lines():
         print(f"  {name:<55}{_mib(value)}")
+    if get_accelerator().device_type == "cpu":
+        print("  (CPU peaks assume freed large tensors go back to the system: MALLOC_MMAP_THRESHOLD_=131072 in the "
+              "ranks' environment; glibc's default threshold rises as tensors are freed and the heap then keeps "
+              "freed activations, see docs/memory_plan.md)")
     if budget is None:
         return 0
     on_device = get_accelerator().device_type != "cpu"
