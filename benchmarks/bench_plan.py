@@ -94,8 +94,9 @@ def main() -> None:
             settings = run_settings(config, 2)
             trace = trace_activations(model, example, micro_batch=settings.micro_batch,
                                       compute_dtype=settings.states.param_dtype)
-            predicted = plan_memory(model, trace, settings, baseline, traced_batch=settings.micro_batch).peak
             for malloc in mallocs:
+                predicted = plan_memory(model, trace, settings, baseline, traced_batch=settings.micro_batch,
+                                        malloc=malloc).peak
                 measured = [r["peak"] for r in run_ranks([spec, json.dumps(config), str(args.steps)], malloc=malloc)]
                 error = (predicted - max(measured)) / max(measured)
                 print(f"{name:<6}{stage:>6}{'cpu' if offload else 'none':>9}{malloc:>9}{predicted / 2**20:>15.1f}"

@@ -145,12 +145,13 @@ def test_parse_memory() -> None:
 def test_cli_prints_the_plan_and_the_cheapest_fitting_configs(capsys: pytest.CaptureFixture[str]) -> None:
     config = str(ROOT / "examples" / "demo_config.json")
     code = cli_main(["plan", config, "--model", DEMO, "--world-size", "2", "--memory", "340MiB",
-                     "--baseline", "235MiB", "--runtime", "80MiB"])
+                     "--baseline", "235MiB", "--runtime", "80MiB", "--malloc", "fixed"])
     out = capsys.readouterr().out
     assert code == 0, out
-    lines = {line[:57].strip(): line[57:].strip() for line in out.splitlines()[1:12]}
+    lines = {line[:57].strip(): line[57:].strip() for line in out.splitlines()[1:13]}
     assert lines["baseline (idle rank: python, torch, zerospeed, gloo)"] == "235.0 MiB"
     assert lines["parameters"] == f"{832_768 * 2 / 2**20:.1f} MiB"  # 0.83M bf16 parameters
+    assert lines["allocator (glibc heap keeping freed transients)"] == "0.0 MiB"  # --malloc fixed
     assert "cheapest configs whose peak per rank fits 340MiB:" in out
     first = out.split("fits 340MiB:\n")[1].splitlines()[0]
     assert first.split()[:6] == ["stage", "0,", "offload_optimizer=none,", "activation_checkpointing=off,",

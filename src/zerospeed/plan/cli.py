@@ -49,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", help="per-rank memory budget (e.g. 16GB): list the cheapest configs that fit")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="the model checkpoints its repeated blocks (deepspeed.checkpointing)")
+    p.add_argument("--malloc", choices=["default", "fixed"], default="default",
+                   help="CPU ranks' allocator: glibc's default dynamic mmap threshold (the heap keeps freed "
+                        "activations: adds an allocator line) or fixed (MALLOC_MMAP_THRESHOLD_ set in the ranks)")
     p.add_argument("--baseline", metavar="SIZE", help="skip measuring the idle rank: its peak RSS (e.g. 235MiB)")
     p.add_argument("--runtime", metavar="SIZE", default=None,
                    help="with --baseline: the first training step's fixed cost (e.g. 87MiB)")
@@ -99,7 +102,9 @@ def _run(argv: list[str]) -> int:
         baseline = measure_baseline()
     trace = trace_activations(model, example, micro_batch=settings.micro_batch,
                               compute_dtype=settings.states.param_dtype)
-    plan = plan_memory(model, trace, settings, baseline, traced_batch=settings.micro_batch)
+    on_cpu = get_accelerator().device_type == "cpu"
+    malloc = args.malloc if on_cpu else "fixed"
+    plan = plan_memory(model, trace, settings, baseline, traced_batch=settings.micro_batch, malloc=malloc)
     st = settings.states
     print(f"zerospeed plan: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
           f"{args.world_size} rank(s), ZeRO stage {st.stage}, {str(st.param_dtype).replace('torch.', '')}, "
@@ -108,15 +113,15 @@ def _run(argv: list[str]) -> int:
           f"activation checkpointing {'on' if settings.checkpoint_activations else 'off'}")
     for name, value in plan.lines():
         print(f"  {name:<55}{_mib(value)}")
-    if get_accelerator().device_type == "cpu":
-        print("  (CPU peaks assume freed large tensors go back to the system: MALLOC_MMAP_THRESHOLD_=131072 in the "
-              "ranks' environment; glibc's default threshold rises as tensors are freed and the heap then keeps "
-              "freed activations, see docs/memory_plan.md)")
+    if on_cpu and malloc == "default":
+        print("  (allocator: glibc's default mmap threshold rises as tensors are freed and the heap then keeps freed "
+              "activations; MALLOC_MMAP_THRESHOLD_=131072 in the ranks' environment avoids it: --malloc fixed, "
+              "see docs/memory_plan.md)")
     if budget is None:
         return 0
     on_device = get_accelerator().device_type != "cpu"
     fits = cheapest_fitting(model, trace, settings, baseline, traced_batch=settings.micro_batch, budget=budget,
-                            on_device=on_device)
+                            on_device=on_device, malloc=malloc)
     what = "device peak" if on_device else "peak per rank"
     if not fits:
         print(f"no config fits {args.memory} ({what}); the smallest needs more: try more ranks or NVMe offload")

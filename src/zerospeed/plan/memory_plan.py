@@ -22,6 +22,13 @@ from zerospeed.plan.states import StateBytes, model_state_plan, unit_layout
 
 __all__ = ["MemoryPlan", "Candidate", "cheapest_fitting", "plan_memory"]
 
+#: glibc's default (dynamic) mmap threshold: the share of a step's transients (activations, workspace)
+#: the heap keeps on top of the live bytes once freed tensors stop going back to the system. Calibrated
+#: on the 98M GPT at stages 0-3 (measured 0.57-0.9 after 3-8 steps; docs/memory_plan.md); 0 when the
+#: ranks pin the threshold (MALLOC_MMAP_THRESHOLD_).
+HEAP_RETENTION = 0.75
+MALLOC_MODES = ("default", "fixed")
+
 _CPU_OPTIMIZERS = ("CPUAdam", "DeepSpeedCPUAdam", "CPUAdagrad", "CPULion", "Lamb")
 
 
@@ -34,17 +41,18 @@ class MemoryPlan:
     activations: int
     workspace: int
     baseline: Baseline
+    allocator: int = 0
 
     @property
     def peak(self) -> int:
         """The rank's peak resident memory on the CPU (everything but the NVMe tier)."""
         return (self.baseline.idle + self.baseline.runtime + self.states.total + self.states.buffers
-                + self.activations + self.workspace)
+                + self.activations + self.workspace + self.allocator)
 
     @property
     def device_peak(self) -> int:
         """What an accelerator would hold: the peak without the process baseline and the CPU tier."""
-        return self.peak - self.baseline.idle - self.baseline.runtime - self.states.offloaded
+        return self.peak - self.baseline.idle - self.baseline.runtime - self.allocator - self.states.offloaded
 
     def lines(self) -> list[tuple[str, int]]:
         s = self.states
@@ -52,7 +60,8 @@ class MemoryPlan:
                 ("runtime (first training step's fixed cost)", self.baseline.runtime),
                 ("parameters", s.params), ("gradients", s.grads), ("optimizer states", s.optimizer_states),
                 ("buffers (pooled gradient accumulators)", s.buffers), ("workspace (step transients)", self.workspace),
-                ("activations", self.activations), ("peak per rank", self.peak),
+                ("activations", self.activations),
+                ("allocator (glibc heap keeping freed transients)", self.allocator), ("peak per rank", self.peak),
                 ("  of which CPU tier (offloaded state)", s.offloaded), ("NVMe tier (files, not memory)", s.on_nvme)]
 
 
@@ -90,13 +99,19 @@ def workspace_bytes(model: nn.Module, settings: RunSettings) -> int:
 
 
 def plan_memory(model: nn.Module, trace: ActivationTrace, settings: RunSettings, baseline: Baseline, *,
-                traced_batch: int) -> MemoryPlan:
-    """The plan for ``settings``; ``trace`` was taken at ``traced_batch`` rows (scaled to the micro-batch)."""
+                traced_batch: int, malloc: str = "default") -> MemoryPlan:
+    """The plan for ``settings``; ``trace`` was taken at ``traced_batch`` rows (scaled to the micro-batch).
+    ``malloc``: ``"default"`` (glibc's dynamic mmap threshold: add :data:`HEAP_RETENTION` of the
+    transients) or ``"fixed"`` (the ranks pin it: freed tensors go back to the system)."""
+    if malloc not in MALLOC_MODES:
+        raise ValueError(f"malloc={malloc!r}: expected one of {', '.join(MALLOC_MODES)}")
     states = max((model_state_plan(model, settings.states, rank) for rank in range(settings.states.world_size)),
                  key=lambda s: s.total + s.buffers)
     activations = trace.scaled(settings.micro_batch / traced_batch).peak(settings.checkpoint_activations)
-    return MemoryPlan(settings=settings, states=states, activations=activations,
-                      workspace=workspace_bytes(model, settings), baseline=baseline)
+    workspace = workspace_bytes(model, settings)
+    allocator = int(HEAP_RETENTION * (activations + workspace)) if malloc == "default" else 0
+    return MemoryPlan(settings=settings, states=states, activations=activations, workspace=workspace,
+                      baseline=baseline, allocator=allocator)
 
 
 @dataclass(frozen=True)
@@ -123,7 +138,8 @@ class Candidate:
 
 
 def cheapest_fitting(model: nn.Module, trace: ActivationTrace, base: RunSettings, baseline: Baseline, *,
-                     traced_batch: int, budget: int, on_device: bool, limit: int = 5) -> list[Candidate]:
+                     traced_batch: int, budget: int, on_device: bool, limit: int = 5,
+                     malloc: str = "default") -> list[Candidate]:
     """The ``limit`` cheapest configs (stage, offload, activation checkpointing, micro-batch halved down
     to 1) whose peak (``device_peak`` when ``on_device``, else the CPU peak) fits in ``budget`` bytes."""
     batches = []
@@ -139,7 +155,8 @@ def cheapest_fitting(model: nn.Module, trace: ActivationTrace, base: RunSettings
                     for mb in batches:
                         settings = base.with_changes(stage=stage, offload_optimizer=opt, offload_param=par,
                                                      micro_batch=mb, checkpoint_activations=ckpt)
-                        plan = plan_memory(model, trace, settings, baseline, traced_batch=traced_batch)
+                        plan = plan_memory(model, trace, settings, baseline, traced_batch=traced_batch,
+                                           malloc=malloc)
                         if (plan.device_peak if on_device else plan.peak) <= budget:
                             found.append(Candidate(plan))
                             break  # the largest micro-batch that fits, for this choice
