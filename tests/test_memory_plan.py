@@ -97,7 +97,7 @@ def test_printed_tables_and_deepspeed_paths(capsys: pytest.CaptureFixture[str]) 
     assert len(out) == 16 and out[-1].endswith("offload_param=none, offload_optimizer=none, zero_init=0")
 
 
-def _states_vs_engine(cases: list[tuple[int, bool, bool]]) -> list[tuple[dict, dict]]:
+def _states_vs_engine(cases: list[tuple[int, bool, str]], nvme_dir: str) -> list[tuple[dict, dict]]:
     import zerospeed
     from zerospeed.plan.factory import build_on_meta, load_factory, split_result
     from zerospeed.plan.settings import run_settings
@@ -110,8 +110,13 @@ def _states_vs_engine(cases: list[tuple[int, bool, bool]]) -> list[tuple[dict, d
                                         "stage3_param_persistence_threshold": 1000}}
         if bf16:
             config["bf16"] = {"enabled": True}
-        if offload:
+        if offload == "cpu":
             config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        elif offload == "nvme":  # stage 3: parameter shards too, all but those fitting max_in_cpu elements
+            config["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_dir}
+            if stage == 3:
+                config["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": nvme_dir,
+                                                                "max_in_cpu": 60_000}
         torch.manual_seed(0)
         model, example = split_result(DEMO, load_factory(DEMO)())
         engine, *_ = zerospeed.initialize(model=model, config=config)
@@ -125,10 +130,10 @@ def _states_vs_engine(cases: list[tuple[int, bool, bool]]) -> list[tuple[dict, d
     return out
 
 
-def test_model_state_lines_equal_memory_breakdown_at_every_stage() -> None:
-    cases = [(0, True, False), (1, True, False), (2, False, False), (2, True, True), (3, True, False),
-             (3, False, True)]
-    for rank in run_distributed(_states_vs_engine, 2, cases, timeout=240):
+def test_model_state_lines_equal_memory_breakdown_at_every_stage(tmp_path: Path) -> None:
+    cases = [(0, True, ""), (1, True, ""), (2, False, ""), (2, True, "cpu"), (3, True, ""), (3, False, "cpu"),
+             (2, True, "nvme"), (3, False, "nvme")]
+    for rank in run_distributed(_states_vs_engine, 2, cases, str(tmp_path), timeout=240):
         for case, (measured, planned) in zip(cases, rank, strict=True):
             assert measured == planned, case
 

@@ -146,13 +146,17 @@ def _sharded(model: nn.Module, s: StateSettings, rank: int) -> StateBytes:
     p_size, a_size, m_size = _itemsize(s.param_dtype), _itemsize(s.accum_dtype), _itemsize(s.master_dtype)
     params = grads = states = offloaded = on_nvme = 0
     param_swaps = store.params.swaps
+    in_cpu = store.params_in_memory  # offload_param.max_in_cpu: the first shards that fit stay in memory
     for spec, unit, tier in zip(specs, plan.units, tiers, strict=True):
         persistent = s.stage < 3 or spec.persistent
         shard_bytes = unit.shard_numel * p_size
+        swapped = param_swaps and not persistent and unit.shard_numel > in_cpu
+        if param_swaps and not persistent and not swapped:
+            in_cpu -= unit.shard_numel
         if persistent:
             params += unit.padded_numel * p_size
-        elif param_swaps:
-            on_nvme += shard_bytes  # (max_in_cpu aside) the shard lives in its file
+        elif swapped:
+            on_nvme += shard_bytes  # the shard lives in its file
         else:
             params += shard_bytes
             offloaded += shard_bytes if store.offloads_params else 0
@@ -166,7 +170,7 @@ def _sharded(model: nn.Module, s: StateSettings, rank: int) -> StateBytes:
         unit_states = _unit_optimizer_bytes(unit, spec, s, rank)
         # ``StateTier.place`` keeps the shard itself as the master when it already has the master's
         # dtype and device (a swapped stage-3 shard gets a copy: the shard goes to its file)
-        separate_master = s.param_dtype != s.master_dtype or (param_swaps and not persistent)
+        separate_master = s.param_dtype != s.master_dtype or swapped
         master = unit.shard_numel * m_size if separate_master else 0
         if tier.swaps:  # one slab per unit: [master | states | gradient], all fp32
             on_nvme += unit.shard_numel * 4 * (2 + s.states.per_element)
