@@ -219,7 +219,8 @@ def test_activation_trace_counts_what_autograd_keeps() -> None:
 
 
 def test_plan_predicts_the_demo_ranks_peak_rss_within_10_percent() -> None:
-    """The demo GPT on 2 real ranks (each its own process, as launched), stages 1 with CPU offload and 3."""
+    """The demo GPT on 2 real ranks (each its own process, as launched) at stage 3 with CPU offload
+    (bench_plan.py runs every stage, with and without offload, and the 98M model)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_plan
 
@@ -232,7 +233,7 @@ def test_plan_predicts_the_demo_ranks_peak_rss_within_10_percent() -> None:
     baseline = measure_baseline()
     model, example = build_on_meta(DEMO)
     base = json.loads((ROOT / "examples" / "demo_config.json").read_text())
-    for stage, offload in ((1, True), (3, False)):
+    for stage, offload in ((3, True),):
         config = bench_plan.case_config(base, stage, offload)
         settings = run_settings(config, 2)
         trace = trace_activations(model, example, micro_batch=settings.micro_batch,

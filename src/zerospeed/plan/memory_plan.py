@@ -24,9 +24,9 @@ __all__ = ["MemoryPlan", "Candidate", "cheapest_fitting", "plan_memory"]
 
 #: glibc's default (dynamic) mmap threshold: the share of a step's transients (activations, workspace)
 #: the heap keeps on top of the live bytes once freed tensors stop going back to the system. Calibrated
-#: on the 98M GPT at stages 0-3 (measured 0.57-0.9 after 3-8 steps; docs/memory_plan.md); 0 when the
+#: on the 98M GPT at stages 0-3 (measured 0.3-0.9, run to run and over the first steps; docs/memory_plan.md); 0 when the
 #: ranks pin the threshold (MALLOC_MMAP_THRESHOLD_).
-HEAP_RETENTION = 0.75
+HEAP_RETENTION = 0.5
 MALLOC_MODES = ("default", "fixed")
 
 _CPU_OPTIMIZERS = ("CPUAdam", "DeepSpeedCPUAdam", "CPUAdagrad", "CPULion", "Lamb")
