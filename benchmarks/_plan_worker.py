@@ -40,7 +40,10 @@ def main(argv: list[str]) -> None:
     engine, *_ = zerospeed.initialize(model=model, config=config)
     batch = as_example_batch(example, engine.train_micro_batch_size_per_gpu())
     for _ in range(steps * engine.gradient_accumulation_steps()):
-        loss = engine(*batch) if isinstance(batch, tuple) else engine(**batch) if isinstance(batch, dict) else engine(batch)
+        if isinstance(batch, dict):
+            loss = engine(**batch)
+        else:
+            loss = engine(*batch) if isinstance(batch, (tuple, list)) else engine(batch)
         engine.backward(loss)
         engine.step()
     print("RESULT " + json.dumps({"peak": vm_hwm(), "breakdown": engine.memory_breakdown()}), flush=True)

@@ -84,7 +84,8 @@ def main() -> None:
     print(f"baseline: idle {baseline.idle / 2**20:.1f} MiB, first-step runtime {baseline.runtime / 2**20:.1f} MiB")
     cases = [tuple(c) for c in json.loads(args.cases)] if args.cases else CASES
     mallocs = ["default", "fixed"] if args.malloc == "both" else [args.malloc]
-    print(f"{'model':<6}{'stage':>6}{'offload':>9}{'malloc':>9}{'predicted MiB':>15}{'rank 0 MiB':>12}{'rank 1 MiB':>12}{'error':>8}")
+    print(f"{'model':<6}{'stage':>6}{'offload':>9}{'malloc':>9}{'predicted MiB':>15}{'rank 0 MiB':>12}"
+          f"{'rank 1 MiB':>12}{'error':>8}")
     for name in (["demo", "98m"] if args.model == "all" else [args.model]):
         spec, config_path = MODELS[name]
         base = json.loads(config_path.read_text()) if config_path else BENCH_98M
