@@ -30,11 +30,11 @@ Subcommand = Callable[[list[str]], int]
 
 def subcommands() -> Mapping[str, Subcommand]:
     """Subcommands by name: ``convert`` (a checkpoint to safetensors), ``report`` (what this install runs),
-    ``plot`` (a CSV monitor run as a PNG).
+    ``plot`` (a CSV monitor run as a PNG), ``plan`` (per-rank peak memory of a config before running it).
 
     A script that happens to share a subcommand's name can still be launched as ``./name``.
     """
-    return MappingProxyType({"convert": _convert, "report": _report, "plot": _plot})
+    return MappingProxyType({"convert": _convert, "report": _report, "plot": _plot, "plan": _plan})
 
 
 def _plot(argv: list[str]) -> int:
@@ -48,6 +48,13 @@ def _report(argv: list[str]) -> int:
     from zerospeed.report import main as report_main
 
     return report_main(argv)
+
+
+def _plan(argv: list[str]) -> int:
+    """``zerospeed plan``: imported on use, like ``convert``."""
+    from zerospeed.plan.cli import plan_main
+
+    return plan_main(argv)
 
 
 def _convert(argv: list[str]) -> int:
