@@ -54,6 +54,10 @@ bench: install
 	$(BIN)/python benchmarks/bench_int8.py --quick
 	$(BIN)/python benchmarks/bench_inference.py --quick
 	$(BIN)/python benchmarks/bench_pld.py --quick
+	$(BIN)/python benchmarks/bench_wall_clock.py --quick
+	$(BIN)/python benchmarks/bench_flops_profiler.py --rounds 3
+	$(BIN)/python benchmarks/bench_comms_logger.py --calls 20000 --rounds 3
+	$(BIN)/python benchmarks/bench_plan.py --model demo --malloc fixed
 	$(BIN)/python benchmarks/bench_import.py --runs 3
 
 clean:
