@@ -64,11 +64,9 @@ def make_batch(spec: dict, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 # -- measurement ---------------------------------------------------------------------------------
 def vm_hwm_mib() -> float:
     """Peak resident set size of this process (VmHWM), MiB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+    from zerospeed.accelerator.host_memory import peak_rss_bytes
+
+    return peak_rss_bytes() / 2**20
 
 
 class StateBytes:

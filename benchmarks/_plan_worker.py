@@ -12,18 +12,11 @@ import logging
 import sys
 
 
-def vm_hwm() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
 def main(argv: list[str]) -> None:
     import torch
 
     import zerospeed
+    from zerospeed.accelerator.host_memory import peak_rss_bytes
     from zerospeed.distributed.env import init_distributed
     from zerospeed.plan.factory import as_example_batch, load_factory
 
@@ -46,7 +39,7 @@ def main(argv: list[str]) -> None:
             loss = engine(*batch) if isinstance(batch, (tuple, list)) else engine(batch)
         engine.backward(loss)
         engine.step()
-    print("RESULT " + json.dumps({"peak": vm_hwm(), "breakdown": engine.memory_breakdown()}), flush=True)
+    print("RESULT " + json.dumps({"peak": peak_rss_bytes(), "breakdown": engine.memory_breakdown()}), flush=True)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,19 @@ def rss_bytes() -> int:
         return int(peak) if sys.platform == "darwin" else int(peak) * 1024  # macOS reports bytes
 
 
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (``VmHWM``; ``ru_maxrss`` where ``/proc`` is not readable)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, IndexError, ValueError):
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024  # macOS reports bytes
+
+
 def total_bytes() -> int:
     """Physical memory of the machine."""
     return int(os.sysconf("SC_PHYS_PAGES")) * _page_size()

@@ -15,7 +15,9 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-__all__ = ["Baseline", "idle_then_tiny_step", "measure_baseline", "vm_hwm"]
+from zerospeed.accelerator.host_memory import peak_rss_bytes
+
+__all__ = ["Baseline", "idle_then_tiny_step", "measure_baseline"]
 
 
 @dataclass(frozen=True)
@@ -24,15 +26,6 @@ class Baseline:
 
     idle: int
     runtime: int
-
-
-def vm_hwm() -> int:
-    """This process's peak resident set size in bytes (``VmHWM``; the same as ``ru_maxrss``)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM line in /proc/self/status (not Linux?)")
 
 
 def idle_then_tiny_step() -> dict[str, int]:
@@ -46,7 +39,7 @@ def idle_then_tiny_step() -> dict[str, int]:
     import zerospeed.engine  # noqa: F401  (what initialize imports: part of the baseline)
     import zerospeed.entry  # noqa: F401
 
-    idle = vm_hwm()
+    idle = peak_rss_bytes()
     logging.getLogger("zerospeed").setLevel(logging.WARNING)
     model = torch.nn.Linear(16, 16)
     config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
@@ -55,7 +48,7 @@ def idle_then_tiny_step() -> dict[str, int]:
     for _ in range(2):
         engine.backward(engine(x).square().mean())
         engine.step()
-    return {"idle": idle, "runtime": vm_hwm() - idle}
+    return {"idle": idle, "runtime": peak_rss_bytes() - idle}
 
 
 _SCRIPT = """
