@@ -17,11 +17,19 @@ def process_rank() -> int:
 
 
 class Monitor(ABC):
-    """A sink for scalar events. Writes happen on rank 0 only: every monitor is told its rank."""
+    """A sink for scalar events. Writes happen on rank 0 only: every monitor is told its rank
+    (default: this process's) and :attr:`writes` says whether this one opens files or runs."""
 
     @abstractmethod
-    def __init__(self, monitor_config: Any) -> None:
+    def __init__(self, monitor_config: Any, *, rank: int | None = None) -> None:
         self.monitor_config = monitor_config
+        self.enabled: bool = monitor_config.enabled
+        self.rank = process_rank() if rank is None else rank
+
+    @property
+    def writes(self) -> bool:
+        """Enabled, and on rank 0."""
+        return self.enabled and self.rank == 0
 
     @abstractmethod
     def write_events(self, event_list: Sequence[Event]) -> None:

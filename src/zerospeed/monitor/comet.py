@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from zerospeed.config.schema_features import CometConfig
-from zerospeed.monitor.base import Event, Monitor, process_rank
+from zerospeed.monitor.base import Event, Monitor
 from zerospeed.monitor.utils import check_comet_availability
 
 
@@ -28,13 +28,11 @@ class EventsLogScheduler:
 
 class CometMonitor(Monitor):
     def __init__(self, comet_config: CometConfig, *, rank: int | None = None) -> None:
-        super().__init__(comet_config)
+        super().__init__(comet_config, rank=rank)
         check_comet_availability()
-        self.enabled = comet_config.enabled
         self._samples_log_interval = comet_config.samples_log_interval
-        self.rank = process_rank() if rank is None else rank
         self._experiment: Any = None
-        if self.enabled and self.rank == 0:
+        if self.writes:
             import comet_ml  # type: ignore[import-not-found]
 
             self._experiment = comet_ml.start(api_key=comet_config.api_key, project=comet_config.project,

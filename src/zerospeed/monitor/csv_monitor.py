@@ -13,7 +13,7 @@ import os
 from typing import Sequence
 
 from zerospeed.config.schema_features import CSVMonitorConfig
-from zerospeed.monitor.base import Event, Monitor, process_rank
+from zerospeed.monitor.base import Event, Monitor
 
 
 def csv_file_name(event_name: str) -> str:
@@ -29,25 +29,23 @@ class csvMonitor(Monitor):  # noqa: N801 -- DeepSpeed's class name
     """Appends each event as a row of its own CSV file (rank 0 only)."""
 
     def __init__(self, csv_config: CSVMonitorConfig, *, rank: int | None = None) -> None:
-        super().__init__(csv_config)
-        self.enabled = csv_config.enabled
+        super().__init__(csv_config, rank=rank)
         self.output_path = csv_config.output_path
         self.job_name = csv_config.job_name
-        self.rank = process_rank() if rank is None else rank
         self.filenames: list[str] = []
         self.log_dir = self.setup_log_dir()
 
     def setup_log_dir(self) -> str | None:
         """``output_path/job_name`` (an empty ``output_path`` is the working directory, as DeepSpeed's
         default), made on rank 0."""
-        if not (self.enabled and self.rank == 0):
+        if not self.writes:
             return None
         log_dir = os.path.join(self.output_path, self.job_name)
         os.makedirs(log_dir, exist_ok=True)
         return log_dir
 
     def write_events(self, event_list: Sequence[Event]) -> None:
-        if not (self.enabled and self.rank == 0) or self.log_dir is None:
+        if self.log_dir is None:
             return
         for name, value, step in event_list:
             filename = csv_file_name(name)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from zerospeed.monitor.base import Event, Monitor, process_rank
+from zerospeed.monitor.base import Event, Monitor
 from zerospeed.monitor.comet import CometMonitor
 from zerospeed.monitor.config import DeepSpeedMonitorConfig
 from zerospeed.monitor.csv_monitor import csvMonitor
@@ -21,9 +21,8 @@ from zerospeed.monitor.wandb import WandbMonitor
 class MonitorMaster(Monitor):
     def __init__(self, monitor_config: DeepSpeedMonitorConfig | None = None, *, rank: int | None = None) -> None:
         monitor_config = monitor_config if monitor_config is not None else DeepSpeedMonitorConfig()
-        super().__init__(monitor_config)
-        self.enabled = monitor_config.enabled
-        self.rank = process_rank() if rank is None and self.enabled else (rank or 0)
+        # no monitor enabled: rank 0 without asking the process group
+        super().__init__(monitor_config, rank=0 if rank is None and not monitor_config.enabled else rank)
         self.tb_monitor: TensorBoardMonitor | None = None
         self.wandb_monitor: WandbMonitor | None = None
         self.csv_monitor: csvMonitor | None = None

@@ -6,7 +6,7 @@ import os
 from typing import Any, Sequence
 
 from zerospeed.config.schema_features import TensorBoardConfig
-from zerospeed.monitor.base import Event, Monitor, process_rank
+from zerospeed.monitor.base import Event, Monitor
 from zerospeed.monitor.utils import check_tb_availability
 
 
@@ -14,18 +14,16 @@ class TensorBoardMonitor(Monitor):
     """``add_scalar(name, value, step)`` per event, flushed after each list (rank 0 only)."""
 
     def __init__(self, tensorboard_config: TensorBoardConfig, *, rank: int | None = None) -> None:
-        super().__init__(tensorboard_config)
+        super().__init__(tensorboard_config, rank=rank)
         check_tb_availability()
-        self.enabled = tensorboard_config.enabled
         self.output_path = tensorboard_config.output_path
         self.job_name = tensorboard_config.job_name
-        self.rank = process_rank() if rank is None else rank
         self.summary_writer: Any = None
-        if self.enabled and self.rank == 0:
+        if self.writes:
             self.get_summary_writer()
 
     def get_summary_writer(self) -> Any:
-        if self.summary_writer is None and self.enabled and self.rank == 0:
+        if self.summary_writer is None and self.writes:
             from torch.utils.tensorboard import SummaryWriter
 
             log_dir = os.path.join(self.output_path, self.job_name)

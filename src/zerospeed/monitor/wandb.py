@@ -7,21 +7,19 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from zerospeed.config.schema_features import WandbConfig
-from zerospeed.monitor.base import Event, Monitor, process_rank
+from zerospeed.monitor.base import Event, Monitor
 from zerospeed.monitor.utils import check_wandb_availability
 
 
 class WandbMonitor(Monitor):
     def __init__(self, wandb_config: WandbConfig, *, rank: int | None = None) -> None:
-        super().__init__(wandb_config)
+        super().__init__(wandb_config, rank=rank)
         check_wandb_availability()
-        self.enabled = wandb_config.enabled
         self.group = wandb_config.group
         self.team = wandb_config.team
         self.project = wandb_config.project
-        self.rank = process_rank() if rank is None else rank
         self.run: Any = None
-        if self.enabled and self.rank == 0:
+        if self.writes:
             import wandb
 
             self.run = wandb.init(project=self.project, group=self.group, entity=self.team)
