@@ -229,14 +229,17 @@ def _gather_whole(state: ShardedState, optimizer: torch.optim.Optimizer
     masters: dict[int, torch.Tensor] = {}
     states: dict[int, dict[str, Any]] = {}
     index = 0
+    pieces_of: dict[int, list[tuple[nn.Parameter, int, int]]] = {}  # unit -> its pieces here, with their places
+    for part, u, offset, numel in zopt.pieces():
+        pieces_of.setdefault(u, []).append((part, offset, numel))
     for u, unit in enumerate(state.units):
         whole_master = unit.gather_shard_values(zopt.masters[u].float())
         whole = {}
         for key in keys:
             shard = torch.zeros(unit.plan.shard_numel, dtype=torch.float32, device=zopt.masters[u].device)
-            for piece, piece_unit, offset, numel in zopt.pieces():
-                value = optimizer.state.get(piece, {}).get(key)
-                if piece_unit == u and isinstance(value, torch.Tensor):
+            for part, offset, numel in pieces_of.get(u, []):
+                value = optimizer.state.get(part, {}).get(key)
+                if isinstance(value, torch.Tensor):
                     shard[offset: offset + numel].copy_(value.reshape(-1))
             whole[key] = unit.gather_shard_values(shard)
         for i, p in enumerate(unit.params):
