@@ -239,6 +239,32 @@ def test_locked_tensors_have_deepspeeds_signature_and_free_semantics(tmp_path):
             aio.new_cpu_locked_tensor(4, "float")
 
 
+def _mapped(address: int) -> bool:
+    """Whether ``address`` lies in one of this process's mappings (/proc/self/maps)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        start, end = (int(x, 16) for x in line.split()[0].split("-"))
+        if start <= address < end:
+            return True
+    return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists() or aio_file.MADV_HUGEPAGE is None,
+                    reason="needs Linux's /proc/self/maps and transparent huge pages")
+def test_locked_tensors_without_an_accelerator_are_huge_page_memory_unmapped_when_freed(tmp_path):
+    """On CPU a locked tensor is io_memory: huge-page aligned, so an O_DIRECT block into it is one DMA
+    segment; freeing it unmaps the memory at once (no other view holds it)."""
+    with AsyncIOHandle() as aio:
+        t = aio.new_cpu_locked_tensor(3 << 20, torch.float32)  # 12 MiB
+        assert t.data_ptr() % aio_file.HUGE_PAGE == 0
+        src = torch.randn(3 << 20)
+        aio.sync_pwrite(src, tmp_path / "a.bin")
+        assert aio.sync_pread(t, tmp_path / "a.bin") == 12 << 20 and torch.equal(t, src)
+        address = t.data_ptr()
+        assert _mapped(address)
+        assert aio.free_cpu_locked_tensor(t) is True and t.numel() == 0
+        assert not _mapped(address)
+
+
 def test_a_locked_tensor_is_not_freed_under_an_io_in_flight(tmp_path, monkeypatch):
     (tmp_path / "a.bin").write_bytes(bytes(range(256)) * 64)
     gate, real = threading.Event(), os.preadv

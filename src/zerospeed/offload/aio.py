@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from zerospeed.accelerator import get_accelerator
-from zerospeed.offload.aio_file import (ALIGN, AioShortReadError, Piece, Scratch, Target, direct_block,
+from zerospeed.offload.aio_file import (ALIGN, AioShortReadError, Piece, Scratch, Target, direct_block, io_memory,
                                         move_piece, open_direct, open_for, plan_pieces, preallocate)
 from zerospeed.tensor_bytes import tensor_bytes
 
@@ -195,17 +195,18 @@ class AsyncIOHandle:
     def new_cpu_locked_tensor(self, num_elem: int, example_tensor: torch.Tensor | torch.dtype) -> torch.Tensor:
         """A flat tensor of ``num_elem`` elements of ``example_tensor``'s dtype, page-aligned (and pinned when
         an accelerator exists), so O_DIRECT moves its bytes without a bounce copy (DeepSpeed's signature;
-        a ``torch.dtype`` is accepted too). Release it early with :meth:`free_cpu_locked_tensor`."""
+        a ``torch.dtype`` is accepted too). Release it early with :meth:`free_cpu_locked_tensor`.
+
+        Without an accelerator to pin for, the memory is :func:`~zerospeed.offload.aio_file.io_memory`
+        (huge-page backed where the kernel allows): each block then reaches the disk as one DMA segment
+        instead of one per 4 KiB page, which a 1 MiB block into ordinary pages exceeds on virtio disks."""
         dtype = example_tensor.dtype if isinstance(example_tensor, torch.Tensor) else example_tensor
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"new_cpu_locked_tensor example_tensor={example_tensor!r} must be a tensor (its dtype "
                              f"is used) or a torch.dtype")
         if isinstance(num_elem, bool) or not isinstance(num_elem, int) or num_elem < 0:
             raise ValueError(f"new_cpu_locked_tensor num_elem={num_elem!r} must be a non-negative integer")
-        nbytes = num_elem * torch.empty((), dtype=dtype).element_size()
-        base = get_accelerator().pin_memory(torch.empty(nbytes + ALIGN, dtype=torch.uint8))
-        shift = (-base.data_ptr()) % ALIGN
-        tensor = base[shift:shift + nbytes].view(dtype)
+        tensor = _locked_bytes(num_elem * torch.empty((), dtype=dtype).element_size()).view(dtype)
         with self._lock:
             self._locked[tensor.data_ptr()] = tensor
         return tensor
@@ -225,7 +226,10 @@ class AsyncIOHandle:
                 raise ValueError("free_cpu_locked_tensor(tensor): an I/O on this tensor is still in flight; "
                                  "call wait() first")
             del self._locked[ptr]
-        tensor.untyped_storage().resize_(0)
+        if tensor.untyped_storage().resizable():
+            tensor.untyped_storage().resize_(0)
+        else:  # a mapping (io_memory): this tensor lets go of it, and it is unmapped with its last view
+            tensor.set_(torch.empty(0, dtype=tensor.dtype).untyped_storage())
         return True
 
     # lifetime
@@ -352,6 +356,20 @@ class AsyncIOHandle:
         if req.error is not None:
             raise req.error
         return req.target.nbytes
+
+
+def _locked_bytes(nbytes: int) -> torch.Tensor:
+    """``nbytes`` page-aligned bytes for :meth:`AsyncIOHandle.new_cpu_locked_tensor`: pinned by the
+    accelerator when it pins, else huge-page backed anonymous memory."""
+    accelerator = get_accelerator()
+    probe = torch.empty(1, dtype=torch.uint8)
+    if accelerator.pin_memory(probe) is probe:  # nothing to pin for (CPU): the faster memory for O_DIRECT
+        mapping, shift = io_memory(nbytes)
+        return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=shift) if nbytes else \
+            torch.empty(0, dtype=torch.uint8)
+    base = accelerator.pin_memory(torch.empty(nbytes + ALIGN, dtype=torch.uint8))
+    shift = (-base.data_ptr()) % ALIGN
+    return base[shift:shift + nbytes]
 
 
 def _tensor_bytes(tensor: torch.Tensor, op: str) -> memoryview:
