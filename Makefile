@@ -50,6 +50,7 @@ bench: install
 	$(BIN)/python benchmarks/bench_offload.py --quick
 	$(BIN)/python benchmarks/bench_tp.py --quick
 	$(BIN)/python benchmarks/bench_pipe.py --quick
+	$(BIN)/python benchmarks/bench_pipe.py --quick --device-ms 10
 	$(BIN)/python benchmarks/bench_moe.py --quick
 	$(BIN)/python benchmarks/bench_int8.py --quick
 	$(BIN)/python benchmarks/bench_inference.py --quick

@@ -21,12 +21,14 @@ through DeepSpeed's PipelineEngine (its 1F1B ``TrainSchedule``) and prints one `
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
 import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -62,15 +64,38 @@ def lm_head(embedding: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return x @ embedding.weight.t()
 
 
+def _load_device_time() -> Any:
+    """zerospeed.testing.device_time, loaded from its file (torch only; DeepSpeed's interpreter has no zerospeed)."""
+    path = Path(__file__).resolve().parent.parent / "src" / "zerospeed" / "testing" / "device_time.py"
+    spec = importlib.util.spec_from_file_location("_device_time", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_device_time = _load_device_time()
+
+
 class MLPBlock(nn.Module):
-    def __init__(self, hidden: int) -> None:
+    """``device_s`` > 0 adds a simulated device's time to the block: ``device_s`` each for forward, the
+    input gradient and the weight gradient (``bench_pipe.py --device-ms``)."""
+
+    def __init__(self, hidden: int, device_s: float = 0.0) -> None:
         super().__init__()
         self.ln = nn.LayerNorm(hidden)
         self.fc1 = nn.Linear(hidden, 4 * hidden)
         self.fc2 = nn.Linear(4 * hidden, hidden)
+        self.device_s = device_s
+        if device_s:  # a weight of its own: one the block also used elsewhere would make it a shared weight,
+            self.device_weight = nn.Parameter(torch.zeros(1))  # whose backward a zero-bubble split cannot divide
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+        y = x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+        if self.device_s:
+            y = _device_time.DeviceTime.apply(y, self.device_s, self.device_s) + _device_time.DeviceWeightTime.apply(self.device_weight,
+                                                                                             self.device_s)
+        return y
 
 
 class FinalNorm(nn.LayerNorm):
@@ -98,9 +123,14 @@ def layer_specs(spec: dict, LayerSpec: Any, TiedLayerSpec: Any) -> list[Any]:
     """The layers as zerospeed's or DeepSpeed's spec classes (the same signatures)."""
     vocab, hidden = spec["vocab"], spec["hidden"]
     return ([TiedLayerSpec("embed", Embedding, vocab, hidden, tied_weight_attr="weight")]
-            + [LayerSpec(MLPBlock, hidden) for _ in range(spec["blocks"])]
+            + [LayerSpec(MLPBlock, hidden, device_seconds(spec)) for _ in range(spec["blocks"])]
             + [LayerSpec(FinalNorm, hidden),
                TiedLayerSpec("embed", Embedding, vocab, hidden, forward_fn=lm_head, tied_weight_attr="weight")])
+
+
+def device_seconds(spec: dict) -> float:
+    """The simulated device time per block and pass (0: real compute only)."""
+    return spec.get("device_ms", 0) / 1e3
 
 
 def stage_blocks(spec: dict, stage: int, stages: int) -> range:
@@ -118,7 +148,7 @@ def torch_stage_module(spec: dict, stage: int, stages: int) -> nn.Module:
         layers.append(Embedding(spec["vocab"], spec["hidden"]))
     for i in stage_blocks(spec, stage, stages):
         torch.manual_seed(BASE_SEED + i)
-        layers.append(MLPBlock(spec["hidden"]))
+        layers.append(MLPBlock(spec["hidden"], device_seconds(spec)))
     if stage == stages - 1:
         torch.manual_seed(BASE_SEED + spec["blocks"] + 1)
         layers.append(FinalNorm(spec["hidden"]))

@@ -22,6 +22,13 @@ Sides:
                DeepSpeed PipelineModule with TiedLayerSpec; run by ``/tmp/dsvenv/bin/python`` in its own
                4 ranks (``--no-deepspeed`` skips it).
 
+``--device-ms T`` simulates accelerators: every MLP block also keeps its stage's "device" busy T ms in
+forward, T ms in the input gradient and T ms in the weight gradient, by sleeping (no host CPU used), so
+each stage behaves as if it had a device of its own. On this 2-core machine 4 stages share the cores,
+and an idle stage lends its core to a busy one: the pipeline bubble costs almost no wall time with real
+compute, and the schedules that shrink it cannot show their gain. Simulated device time restores the
+bubble's cost; real compute still runs (make it small, e.g. ``--hidden 32``).
+
 The zerospeed and torch sides share one set of ranks and run in interleaved rounds (the order rotates
 every round), so each round measures them under the same machine load; DeepSpeed runs in its own
 process group, half its batches before them and half after (both medians printed), so its figure is
@@ -31,6 +38,7 @@ side (median over the timed batches), the spread, and each zerospeed schedule's 
 better of DeepSpeed 1F1B and torch pipelining (> 1: zerospeed is faster).
 
     python benchmarks/bench_pipe.py [--rounds 5] [--steps 4] [--hidden 256] [--quick] [--no-deepspeed]
+        [--device-ms 0]
 """
 
 from __future__ import annotations
@@ -193,11 +201,13 @@ def main() -> None:
     parser.add_argument("--sides", default=",".join(list(ZS_SCHEDULES) + list(TORCH_SCHEDULES)),
                         help="comma-separated zerospeed / torch sides (default: all)")
     parser.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed side")
+    parser.add_argument("--device-ms", type=float, default=0.0,
+                        help="simulated device ms per MLP block for each of forward, input and weight gradient")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, 1 round of 2 batches")
     args = parser.parse_args()
     spec = {"stages": args.stages, "hidden": args.hidden, "blocks": args.blocks, "vocab": args.vocab, "seq": args.seq,
             "micro": args.micro, "micro_batches": args.micro_batches, "rounds": args.rounds, "steps": args.steps,
-            "warmup": args.warmup, "threads": args.threads}
+            "warmup": args.warmup, "threads": args.threads, "device_ms": args.device_ms}
     if args.quick:
         spec.update(hidden=32, vocab=64, seq=8, micro=2, rounds=1, steps=2, warmup=1)
     if spec["blocks"] % (2 * spec["stages"]) or spec["micro_batches"] % spec["stages"]:
@@ -217,6 +227,10 @@ def main() -> None:
           f"x {spec['micro']} x seq {spec['seq']} = {samples} samples")
     print(f"fp32 AdamW, clip {CLIP}, no ZeRO; gloo, {spec['stages']} ranks x {spec['threads']} thread(s) on "
           f"{os.cpu_count()} cores; torch {torch.__version__}")
+    if spec["device_ms"]:
+        per_stage = spec["device_ms"] * spec["blocks"] // spec["stages"]
+        print(f"simulated devices: {spec['device_ms']:g} ms per block for each of forward, input gradient and weight "
+              f"gradient ({per_stage:g} ms each per stage and micro-batch, by sleeping)")
 
     results: dict[str, dict] = {}
     ds_runs = []

@@ -18,39 +18,11 @@ from zerospeed.pipe.module import LayerSpec, PipelineModule
 from zerospeed.pipe.schedules import schedule_for
 from zerospeed.pipe.simulate import Costs, simulate
 from zerospeed.testing import run_distributed
+from zerospeed.testing.device_time import DeviceTime, DeviceWeightTime
 from zerospeed.testing.pipe_models import PlainGPT, gpt_pipeline, lm_loss, rank_iterator, token_batches
 
 
 # -- layers of fixed, known cost --------------------------------------------------------------------
-class _SleepInput(torch.autograd.Function):
-    """Identity costing ``forward_s`` forward and ``input_s`` for the input gradient."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, forward_s: float, input_s: float) -> torch.Tensor:
-        time.sleep(forward_s)
-        ctx.input_s = input_s
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        time.sleep(ctx.input_s)
-        return grad, None, None
-
-
-class _SleepWeight(torch.autograd.Function):
-    """A zero contribution of ``w`` costing ``weight_s`` for the weight gradient."""
-
-    @staticmethod
-    def forward(ctx: Any, w: torch.Tensor, weight_s: float) -> torch.Tensor:
-        ctx.weight_s = weight_s
-        return w * 0
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        time.sleep(ctx.weight_s)
-        return grad.sum().reshape(1) * 0, None
-
-
 class TimedLayer(nn.Module):
     """Forward, input-gradient and weight-gradient costs fixed by sleeping (no CPU use, so the 2 cores
     of the machine do not distort a 4-stage pipeline)."""
@@ -62,7 +34,7 @@ class TimedLayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         forward_s, input_s, weight_s = self.costs
-        return _SleepInput.apply(x, forward_s, input_s) + _SleepWeight.apply(self.w, weight_s)
+        return DeviceTime.apply(x, forward_s, input_s) + DeviceWeightTime.apply(self.w, weight_s)
 
 
 STAGE_COST = 0.1  # seconds per stage per micro-batch for each of F, B and W (large against the per-instruction
