@@ -8,6 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from zerospeed.pipe.split_backward import backward_input
+from zerospeed.testing import device_time
+from zerospeed.testing.device_time import DeviceTime, DeviceWeightTime
 
 
 class _Counted(torch.autograd.Function):
@@ -108,3 +110,45 @@ def test_the_weight_part_redoes_nothing_of_the_input_part() -> None:
     deferred.run()
     assert _Counted.calls == 1, "the weight part ran the input path's backward again"
     assert all(p.grad is not None for p in block.parameters())
+
+
+class _DeviceTimedBlock(nn.Module):
+    """The shape of ``benchmarks/_pipe_bench.MLPBlock`` with simulated device time: real layers, then an
+    identity costing forward/input time and a zero through a weight costing the weight time."""
+
+    def __init__(self, own_weight: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.device_weight = nn.Parameter(torch.zeros(1)) if own_weight else self.fc.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x + self.fc(x)
+        return DeviceTime.apply(y, 1.0, 2.0) + DeviceWeightTime.apply(self.device_weight, 3.0)
+
+
+def _device_time_calls(own_weight: bool, monkeypatch) -> tuple[list[float], list[float]]:
+    """The simulated times the input part and then the weight part of a split backward spend."""
+    spent: list[float] = []
+    monkeypatch.setattr(device_time.time, "sleep", spent.append)
+    block = _DeviceTimedBlock(own_weight)
+    x = torch.randn(2, 4, requires_grad=True)
+    out = block(x)
+    spent.clear()  # forward's
+    _, deferred = backward_input([out], [torch.ones_like(out)], [x], list(block.parameters()))
+    input_part = list(spent)
+    spent.clear()
+    deferred.run()
+    return input_part, spent
+
+
+def test_simulated_device_time_splits_into_input_and_weight_parts(monkeypatch) -> None:
+    """With a weight of its own, the weight time is deferred to the weight part and the input time is
+    spent once (what bench_pipe --device-ms relies on for ZB-H1)."""
+    assert _device_time_calls(True, monkeypatch) == ([2.0], [3.0])
+
+
+def test_simulated_device_time_through_a_shared_weight_is_not_split(monkeypatch) -> None:
+    """Through a weight the block also uses on its input path (fc.bias) there is no exact split: the
+    weight part is the whole backward, so the input time is spent twice."""
+    input_part, weight_part = _device_time_calls(False, monkeypatch)
+    assert input_part == [2.0] and sorted(weight_part) == [2.0, 3.0]
