@@ -240,6 +240,17 @@ def _straggler() -> dict:
             "own_collectives_recorded": zcomm.get_comm_operation_count() - extra_before}
 
 
+def _outside_the_mesh() -> dict:
+    """A Comm built outside any engine's mesh (as a pipeline tied group, zero.Init or a checkpoint build
+    theirs) records into the process logger an engine's config turned on."""
+    zcomm.reset_log()
+    comm = Comm(torch.distributed.new_group([0, 1]), name="tied[0, 1]")
+    comm.all_reduce(torch.ones(7))
+    comm.broadcast(torch.ones(3, dtype=torch.float64), src=0)
+    summary = zcomm.log_summary(return_dict=True)["summary"]
+    return {name: {size: e["count"] for size, e in per_size.items()} for name, per_size in summary.items()}
+
+
 def _all_cases() -> dict:
     logging.getLogger("zerospeed").addHandler(logging.NullHandler())  # keep the config dump out of the output
     logging.getLogger("zerospeed").setLevel(logging.WARNING)
@@ -248,6 +259,7 @@ def _all_cases() -> dict:
     out["s2"] = _step_records(2, {"reduce_bucket_size": 300}, logged=True)
     out["s0"] = _step_records(0, {}, logged=True)
     out["s0 buckets"] = _step_records(0, {"reduce_bucket_size": 300}, logged=True)
+    out["outside"] = _outside_the_mesh()
     out["async"] = _async_rule()
     out["straggler"] = _straggler()
     return out
@@ -309,6 +321,11 @@ def test_disabled_logger_records_nothing_and_adds_no_collective(ranks: list[dict
         assert got["s2 off"]["has_data"] is False and got["s2 off"]["sizes"] == {}
         assert got["s2 off"]["calls"] == got["s2"]["calls"] and got["s2 off"]["sent"] == got["s2"]["sent"]
         assert got["s2 off"]["comm_calls"] == got["s2"]["comm_calls"]  # initialize and both steps, every call
+
+
+def test_comms_outside_the_engines_mesh_are_logged(ranks: list[dict]) -> None:
+    for got in ranks:
+        assert got["outside"] == {"all_reduce": {28: 1}, "broadcast": {24: 1}}
 
 
 def test_async_latency_runs_until_the_wait(ranks: list[dict]) -> None:

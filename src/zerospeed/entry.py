@@ -115,7 +115,7 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     # Collectives time out as the process group was asked to (init_distributed(timeout=...)).
     pg_timeout = process_group_timeout()
     mesh = tp_setup.build_mesh(dims, mpu, None if pg_timeout == DEFAULT_TIMEOUT else pg_timeout)
-    _log_comms(mesh, cfg)
+    _log_comms(cfg)
     comm = mesh.dp
     assert comm.world_size == cfg.world_size, "the batch arithmetic must use the data-parallel size"
 
@@ -195,14 +195,12 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     return engine, opt, loader, sched
 
 
-def _log_comms(mesh: Mesh, cfg: Config) -> None:
-    """The mesh's Comms record into the process's comms logger (``deepspeed.comm.log_summary`` prints
-    it), which a ``comms_logger`` section turns on; left off, each call pays one attribute read."""
-    from zerospeed.comm.summary import configure_from_config, process_logger
+def _log_comms(cfg: Config) -> None:
+    """A ``comms_logger`` section turns on the process's comms logger, which every Comm records into
+    (``deepspeed.comm.log_summary`` prints it); left off, each call pays one attribute read."""
+    from zerospeed.comm.summary import configure_from_config
 
     configure_from_config(cfg)
-    for axis_comm in mesh.comms.values():
-        axis_comm.comms_logger = process_logger()
 
 
 def _config_source(args: Any, config: Any, config_params: Any) -> Any:

@@ -3,8 +3,9 @@
 DeepSpeed keeps one communication logger per process: ``deepspeed.comm.configure(...)`` (or an
 engine whose config has a ``comms_logger`` section) turns it on, every collective of
 ``deepspeed.comm`` and of the engine's Comms records into it, and ``log_summary()`` prints it. So
-this facade holds that one logger (:func:`process_logger`, the only module state here, for that
-compatibility); new code can give a :class:`~zerospeed.distributed.comm.Comm` a logger of its own.
+every :class:`~zerospeed.distributed.comm.Comm` records into that one logger unless it is given one of
+its own (:func:`process_logger`, held in :mod:`zerospeed.distributed.comms_logger`: the mesh's Comms and
+the ones outside it, such as pipeline tied groups, ``zero.Init``, checkpoints and the compressed backend).
 
 ``log_summary`` runs no collective unless ``show_straggler=True`` (DeepSpeed brackets it with two
 barriers; the table is printed by global rank 0 only either way). The straggler view gathers which
@@ -24,26 +25,11 @@ import torch
 
 from zerospeed.distributed import groups
 from zerospeed.distributed.comm import Comm
-from zerospeed.distributed.comms_logger import CommsLogger, format_table, straggler_entry
+from zerospeed.distributed.comms_logger import CommsLogger, format_table, process_logger, straggler_entry
 from zerospeed.distributed.env import process_group_timeout
 
 __all__ = ["configure", "log_summary", "reset_log", "has_comm_data", "get_comm_operation_count",
            "get_logged_comm_ops", "process_logger", "configure_from_config"]
-
-
-class _ProcessLogger:
-    """Holder of the process's one logger (the documented piece of module state)."""
-
-    def __init__(self) -> None:
-        self.logger = CommsLogger()
-
-
-_PROCESS = _ProcessLogger()
-
-
-def process_logger() -> CommsLogger:
-    """The logger ``deepspeed.comm`` calls and engines record into (disabled until configured)."""
-    return _PROCESS.logger
 
 
 def configure_from_config(config: Any) -> bool:
@@ -123,7 +109,8 @@ def _straggler(logger: CommsLogger) -> dict[str, dict[int, dict[str, Any]]]:
     records = {(name, size): r for name, sizes in logger.records.items() for size, r in sorted(sizes.items())}
     if not groups.is_initialized():
         return {name: {size: straggler_entry(r.latencies, r.latencies, size)} for (name, size), r in records.items()}
-    comm = Comm(groups.world_group(), name="comms_logger", timeout=process_group_timeout(), track_arrivals=False)
+    comm = Comm(groups.world_group(), name="comms_logger", timeout=process_group_timeout(), track_arrivals=False,
+                comms_logger=CommsLogger())  # a disabled logger of its own: these calls never show in the table
     mine = {key: r.count for key, r in records.items()}
     everyone = comm.all_gather_object(sorted(mine.items()))
     shared = [key for key, count in sorted(mine.items()) if all(dict(theirs).get(key) == count for theirs in everyone)]

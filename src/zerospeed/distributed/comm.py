@@ -41,7 +41,8 @@ on gloo the wire carries up to twice that). ``stats.snapshot()`` and ``stats.sin
 give per-step deltas.
 
 Timing is a policy the Comm holds: ``comms_logger`` (a
-:class:`~zerospeed.distributed.comms_logger.CommsLogger`, disabled unless given one that is enabled)
+:class:`~zerospeed.distributed.comms_logger.CommsLogger`; by default the process's one, which a
+``comms_logger`` config section or ``deepspeed.comm.configure`` enables, so every Comm is logged)
 times each call from entry to the end of the wait that completes it (async handles: until
 ``wait()``), under the op's name and DeepSpeed's message size; see that module for the rule.
 """
@@ -59,7 +60,7 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from zerospeed.distributed.comms_logger import CommsLogger, Probe
+from zerospeed.distributed.comms_logger import CommsLogger, Probe, process_logger
 
 ReduceOpName = Literal["sum", "avg", "max", "min", "product"]
 DEFAULT_COMM_TIMEOUT = datetime.timedelta(minutes=10)
@@ -259,8 +260,8 @@ class Comm:
 
     ``src``/``dst`` arguments are ranks *within this group*. ``reduce_scatter_policy`` defaults to
     the measured one for the group's backend (:meth:`ReduceScatterPolicy.for_backend`).
-    ``comms_logger`` times calls when enabled (default: a disabled one of its own); it is a plain
-    attribute, so an engine can hand its Comms the logger its config turned on.
+    ``comms_logger`` times calls when enabled (default: the process's logger, disabled until configured,
+    as DeepSpeed logs every collective into one per process); it is a plain attribute.
     """
 
     def __init__(
@@ -291,7 +292,7 @@ class Comm:
         self.reduce_scatter_policy = reduce_scatter_policy or ReduceScatterPolicy.for_backend(self._backend)
         self._alias_safe = self._backend in _ALIAS_SAFE_BACKENDS
         self.stats = CommStats()
-        self.comms_logger = comms_logger if comms_logger is not None else CommsLogger()
+        self.comms_logger = comms_logger if comms_logger is not None else process_logger()
         self._probe: Probe | None = None  # set by _enter, taken by the _run that follows it
         self._seq = 0
         self._store = (store or _default_store()) if track_arrivals else None

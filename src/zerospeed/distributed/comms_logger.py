@@ -287,3 +287,21 @@ def _caller() -> str:
 
 def _global_rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+class _ProcessLogger:
+    """Holder of the process's one logger (the documented piece of module state: DeepSpeed keeps one
+    communication logger per process, and ``deepspeed.comm.log_summary`` prints it)."""
+
+    def __init__(self) -> None:
+        self.logger = CommsLogger()
+
+
+_PROCESS = _ProcessLogger()
+
+
+def process_logger() -> CommsLogger:
+    """The logger every :class:`~zerospeed.distributed.comm.Comm` records into unless given its own
+    (disabled until a ``comms_logger`` section or ``deepspeed.comm.configure`` turns it on)."""
+    return _PROCESS.logger
+
