@@ -93,8 +93,8 @@ class MLPBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = x + self.fc2(F.gelu(self.fc1(self.ln(x))))
         if self.device_s:
-            y = _device_time.DeviceTime.apply(y, self.device_s, self.device_s) + _device_time.DeviceWeightTime.apply(self.device_weight,
-                                                                                             self.device_s)
+            busy = _device_time.DeviceTime.apply(y, self.device_s, self.device_s)
+            y = busy + _device_time.DeviceWeightTime.apply(self.device_weight, self.device_s)
         return y
 
 

@@ -304,4 +304,3 @@ def process_logger() -> CommsLogger:
     """The logger every :class:`~zerospeed.distributed.comm.Comm` records into unless given its own
     (disabled until a ``comms_logger`` section or ``deepspeed.comm.configure`` turns it on)."""
     return _PROCESS.logger
-

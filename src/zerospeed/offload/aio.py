@@ -361,12 +361,13 @@ class AsyncIOHandle:
 def _locked_bytes(nbytes: int) -> torch.Tensor:
     """``nbytes`` page-aligned bytes for :meth:`AsyncIOHandle.new_cpu_locked_tensor`: pinned by the
     accelerator when it pins, else huge-page backed anonymous memory."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
     accelerator = get_accelerator()
     probe = torch.empty(1, dtype=torch.uint8)
     if accelerator.pin_memory(probe) is probe:  # nothing to pin for (CPU): the faster memory for O_DIRECT
         mapping, shift = io_memory(nbytes)
-        return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=shift) if nbytes else \
-            torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=shift)  # keeps the mapping alive
     base = accelerator.pin_memory(torch.empty(nbytes + ALIGN, dtype=torch.uint8))
     shift = (-base.data_ptr()) % ALIGN
     return base[shift:shift + nbytes]
