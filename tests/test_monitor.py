@@ -211,3 +211,33 @@ def test_a_pipeline_writes_the_batch_loss_once_per_train_batch(tmp_path: Path) -
     assert outs[0]["global_samples"] == 12
     assert read["Train/Samples/train_loss"] == ([4, 8, 12], pytest.approx(outs[0]["losses"], rel=1e-6))
     assert read["Train/Samples/lr"] == ([4, 8, 12], [0.01] * 3)
+
+
+class _CountingComm:
+    """A two-rank Comm stand-in whose all_reduce halves (the other rank gave 0) and counts its calls."""
+
+    world_size = 2
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
+        assert op == "avg"
+        self.calls += 1
+        tensor.div_(2)
+
+
+def test_the_window_loss_is_averaged_over_comm_unless_already_averaged() -> None:
+    """The engine's events average the window's losses over data parallelism with one all-reduce; the
+    pipeline engine's batch loss already is, so its events (comm=None) issue none."""
+    from zerospeed.monitor.events import StepEvents
+
+    comm = _CountingComm()
+    events = StepEvents(MonitorMaster(), comm=comm, fp16=False)  # type: ignore[arg-type]
+    events.add_loss(torch.tensor(1.0))
+    events.add_loss(torch.tensor(3.0))
+    assert events.window_loss() == 1.0 and comm.calls == 1  # mean 2.0, averaged with the other rank's 0
+    averaged = StepEvents(MonitorMaster(), comm=None, fp16=False)
+    averaged.add_loss(torch.tensor(2.5))
+    assert averaged.window_loss() == 2.5
+    assert averaged.window_loss() != averaged.window_loss()  # NaN: no loss given since

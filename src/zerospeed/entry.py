@@ -178,7 +178,7 @@ def initialize(args: Any = None, model: nn.Module | None = None,
         engine: Engine = PipelineEngine(model, cfg, comm, policy, opt, sched, pipe=parts, state=state, mesh=mesh,
                                         timers=_timers(cfg), settings=training, training_dataloader=loader,
                                         flops_profiler=_flops_profiler(cfg, model, mesh, norm, training),
-                                        step_events=_step_events(cfg, comm))
+                                        step_events=_step_events(cfg, None))  # its batch loss is dp-averaged
     else:
         engine = Engine(model, cfg, comm, policy, opt, sched, state=state, mesh=mesh, timers=_timers(cfg),
                         settings=training, training_dataloader=loader, layer_drop=layer_drop,
@@ -280,9 +280,10 @@ def _flops_profiler(cfg: Config, model: nn.Module, mesh: Mesh, norm: NormScope,
                                recompute_fwd_factor=section.recompute_fwd_factor)
 
 
-def _step_events(cfg: Config, comm: Comm) -> StepEvents | NoStepEvents:
+def _step_events(cfg: Config, comm: Comm | None) -> StepEvents | NoStepEvents:
     """The monitor sections: DeepSpeed's ``MonitorMaster`` (rank 0 writes) and the events each optimizer
-    step writes to it; nothing when no monitor is enabled."""
+    step writes to it; nothing when no monitor is enabled. ``comm``: what the losses are averaged over
+    (None: they already are)."""
     master = MonitorMaster(DeepSpeedMonitorConfig.from_config(cfg), rank=group_rank())
     return step_events(master, comm=comm, fp16=cfg.fp16.enabled is True)
 

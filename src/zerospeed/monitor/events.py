@@ -4,7 +4,7 @@ DeepSpeed 0.19.6's events, at x = ``global_samples`` after the step:
 
 - ``Train/Samples/train_loss``: the window's loss, the mean of its micro-batch losses averaged over
   the data-parallel ranks (as DeepSpeed's pipeline engine writes it; one 1-element all-reduce per
-  step, only when a monitor is enabled);
+  step, only when a monitor is enabled, and none for the pipeline engine, whose batch loss already is);
 - ``Train/Samples/lr``: the first parameter group's learning rate after the step (and its schedule);
 - ``Train/Samples/loss_scale``: with fp16 only;
 - with ``wall_clock_breakdown``: ``Train/Samples/elapsed_time_ms_{forward,backward,backward_inner,
@@ -56,9 +56,12 @@ class SteppedEngine(Protocol):
 
 class StepEvents:
     """Collects the window's losses and writes the step's events to ``master`` (rank 0 writes; every
-    rank takes part in the loss average)."""
+    rank takes part in the loss average).
 
-    def __init__(self, master: MonitorMaster, *, comm: Comm, fp16: bool,
+    ``comm``: the ranks the window's loss is averaged over; ``None`` when the engine's losses are
+    already averaged over them (the pipeline engine's batch loss), so no collective is repeated."""
+
+    def __init__(self, master: MonitorMaster, *, comm: Comm | None, fp16: bool,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.master = master
         self._comm = comm
@@ -73,13 +76,13 @@ class StepEvents:
 
     def window_loss(self) -> float:
         """The window's mean loss averaged over the data-parallel ranks (NaN when no loss was given);
-        collective over ``comm``."""
+        collective over ``comm`` unless it is None."""
         if self._losses:
             mean = torch.stack([t.float() for t in self._losses]).mean().reshape(1)
         else:
             mean = torch.full((1,), math.nan)
         self._losses = []
-        if self._comm.world_size > 1:
+        if self._comm is not None and self._comm.world_size > 1:
             self._comm.all_reduce(mean, op="avg")
         return float(mean[0])
 
@@ -114,8 +117,9 @@ class NoStepEvents:
         return []
 
 
-def step_events(master: MonitorMaster, *, comm: Comm, fp16: bool) -> StepEvents | NoStepEvents:
-    """The engine's collaborator: events when any monitor is enabled, nothing otherwise."""
+def step_events(master: MonitorMaster, *, comm: Comm | None, fp16: bool) -> StepEvents | NoStepEvents:
+    """The engine's collaborator: events when any monitor is enabled, nothing otherwise (``comm``: see
+    :class:`StepEvents`)."""
     return StepEvents(master, comm=comm, fp16=fp16) if master.enabled else NoStepEvents()
 
 
