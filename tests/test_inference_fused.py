@@ -115,6 +115,21 @@ def test_mistral_left_padded_batch_equals_hf_and_a_cache_beyond_its_sliding_wind
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
+def test_beam_search_reorders_the_fused_cache_as_hf_does(kind: str) -> None:
+    """Beam search reorders the cache rows every step (``FusedKVCache.reorder_cache``): same beams, same scores."""
+    ref, fused, _ = pair(kind)
+    ids, mask = left_padded([9, 5, 9])
+    outs = []
+    for model in (ref, fused):
+        with torch.no_grad():
+            outs.append(model.generate(ids, attention_mask=mask, max_new_tokens=16, min_new_tokens=16, num_beams=3,
+                                       num_return_sequences=2, do_sample=False, eos_token_id=None, pad_token_id=1,
+                                       output_scores=True, return_dict_in_generate=True))
+    assert torch.equal(outs[1].sequences, outs[0].sequences)
+    torch.testing.assert_close(outs[1].sequences_scores, outs[0].sequences_scores, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
 def test_prefill_logits_at_every_position_equal_hf(kind: str) -> None:
     ref, fused, _ = pair(kind)
     ids = prompts(2, 20)
