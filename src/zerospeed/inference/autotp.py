@@ -31,7 +31,7 @@ from zerospeed.distributed.comm import Comm
 from zerospeed.inference.tp_layers import (ExpertShard, VocabParallelHead, VocabParallelInputEmbedding,
                                            check_fused_experts, is_fused_experts)
 from zerospeed.tensor_parallel.autotp import apply_autotp
-from zerospeed.tensor_parallel.autotp_plan import (DEFAULT_RULES, AutoTPError, Split, _is_conv1d, describe_model,
+from zerospeed.tensor_parallel.autotp_plan import (DEFAULT_RULES, AutoTPError, Split, describe_model, is_hf_conv1d,
                                                    plan_autotp)
 from zerospeed.tensor_parallel.layers import TensorParallelLayer
 
@@ -97,7 +97,7 @@ def _builtin_specs(model: nn.Module) -> tuple[TPLayerSpecConfig, ...]:
 
 
 def _is_linear(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear) or _is_conv1d(module)
+    return isinstance(module, nn.Linear) or is_hf_conv1d(module)
 
 
 def _is_instance_of(module: nn.Module, cls: type) -> bool:

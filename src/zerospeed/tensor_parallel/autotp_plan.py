@@ -157,7 +157,7 @@ class AutoTPError(ValueError):
     """A model AutoTP cannot split as asked; the message names the layer and what to change."""
 
 
-def _is_conv1d(module: nn.Module) -> bool:
+def is_hf_conv1d(module: nn.Module) -> bool:
     """transformers' ``Conv1D`` (GPT-2), recognized without importing transformers."""
     return type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers")
 
@@ -174,7 +174,7 @@ def describe_model(model: nn.Module) -> ModelDescription:
         if isinstance(module, nn.Linear):
             layers.append(LayerInfo(name, LayerKind.LINEAR, type(module).__name__, module.in_features,
                                     module.out_features, tied, own))
-        elif _is_conv1d(module):
+        elif is_hf_conv1d(module):
             nx, nf = module.weight.shape
             layers.append(LayerInfo(name, LayerKind.CONV1D, type(module).__name__, int(nx), int(nf), tied, own))
         elif own:
@@ -199,7 +199,7 @@ def _attention(name: str, module: nn.Module) -> AttentionInfo | None:
         return AttentionInfo(name, q.out_features // head_dim, k.out_features // head_dim, head_dim,
                              tuple(f"{prefix}{x}_proj" for x in "qkv"))
     c_attn, heads = getattr(module, "c_attn", None), getattr(module, "num_heads", None)
-    if c_attn is not None and _is_conv1d(c_attn) and isinstance(heads, int):
+    if c_attn is not None and is_hf_conv1d(c_attn) and isinstance(heads, int):
         return AttentionInfo(name, heads, heads, head_dim, (f"{prefix}c_attn",),
                              has_split_size=hasattr(module, "split_size"))
     return None
@@ -341,6 +341,6 @@ def _head_plans(desc: ModelDescription, layers: Mapping[str, LayerPlan], tp_size
     return heads
 
 
-__all__ = ["AttentionInfo", "AutoTPError", "AutoTPPlan", "DEFAULT_RULES", "HeadPlan", "LayerInfo", "LayerKind",
+__all__ = ["AttentionInfo", "AutoTPError", "AutoTPPlan", "DEFAULT_RULES", "HeadPlan", "is_hf_conv1d", "LayerInfo", "LayerKind",
            "LayerPlan", "ModelDescription", "PRESETS", "Split", "describe_model", "parse_partition_config",
            "plan_autotp", "rules_for"]

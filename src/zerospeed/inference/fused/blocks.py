@@ -19,6 +19,7 @@ from torch import nn
 
 from zerospeed.inference.fused.attention import StepContext, apply_rotary, attend
 from zerospeed.inference.fused.cache import FusedLayerCache
+from zerospeed.tensor_parallel.autotp_plan import is_hf_conv1d
 
 
 def child(module: nn.Module, name: str) -> nn.Module:
@@ -47,10 +48,6 @@ def _is_linear_layout(layer: nn.Module) -> bool:
 
 def _plain_linear(layer: nn.Module) -> bool:
     return type(layer) is nn.Linear
-
-
-def _is_conv1d(layer: nn.Module) -> bool:
-    return type(layer).__name__ == "Conv1D" and isinstance(getattr(layer, "weight", None), torch.Tensor)
 
 
 def fuse_linears(*layers: nn.Linear) -> nn.Linear:
@@ -160,8 +157,8 @@ class FusedAttention(nn.Module):
         ``[q_r | k_r | v_r]``)."""
         head_dim, scale = _int_attr(attn, "head_dim"), _float_attr(attn, "scaling")
         c_attn, c_proj = child(attn, "c_attn"), child(attn, "c_proj")
-        qkv = conv1d_as_linear(c_attn) if _is_conv1d(c_attn) else c_attn
-        out = conv1d_as_linear(c_proj) if _is_conv1d(c_proj) else c_proj
+        qkv = conv1d_as_linear(c_attn) if is_hf_conv1d(c_attn) else c_attn
+        out = conv1d_as_linear(c_proj) if is_hf_conv1d(c_proj) else c_proj
         heads = _out_features(c_attn) // (3 * head_dim)
         return cls(heads=heads, kv_heads=heads, head_dim=head_dim, scale=scale, out_proj=out, qkv=qkv, rotary=False)
 
