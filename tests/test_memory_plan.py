@@ -179,6 +179,50 @@ def test_cli_errors_name_the_argument_and_the_fix(argv: list[str], message: str,
     assert message in capsys.readouterr().err
 
 
+_LAYOUT_FACTORIES = """
+import torch
+from torch import nn
+from zerospeed.moe.layer import MoE
+from zerospeed.pipe import PipelineModule
+
+
+class MoENet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.moe = MoE(8, nn.Linear(8, 8), num_experts=2)
+
+    def forward(self, x):
+        return self.moe(x)[0]
+
+
+def moe():
+    return MoENet(), torch.randn(2, 8)
+
+
+def pipe():
+    return PipelineModule([nn.Linear(8, 8), nn.Linear(8, 8)], num_stages=1), torch.randn(2, 8)
+"""
+
+
+@pytest.mark.parametrize("factory, config, what", [
+    ("moe", {}, "a model with MoE layers (expert parallelism) is not planned"),
+    ("pipe", {}, "a PipelineModule (pipeline parallelism) is not planned"),
+    (None, {"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel.autotp_size=2 (tensor parallelism) is not planned"),
+])
+def test_layouts_the_plan_does_not_model_are_refused_by_name(factory: str | None, config: dict, what: str,
+                                                             tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """Pipeline, expert and tensor parallelism split parameters and activations in ways the plan does not
+    model: refused, naming what, rather than planned as data parallelism."""
+    (tmp_path / "layouts.py").write_text(_LAYOUT_FACTORIES)
+    (tmp_path / "config.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, **config}))
+    model = f"{tmp_path / 'layouts.py'}:{factory}" if factory else DEMO
+    code = cli_main(["plan", str(tmp_path / "config.json"), "--model", model, "--world-size", "2",
+                     "--baseline", "200MiB"])
+    err = capsys.readouterr().err
+    assert code == 2 and what in err and "zerospeed plan models data parallelism" in err, err
+
+
 class _Block(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -78,7 +78,7 @@ def _run(argv: list[str]) -> int:
     from zerospeed.plan.baseline import Baseline, measure_baseline
     from zerospeed.plan.factory import ModelSpecError, build_on_meta
     from zerospeed.plan.memory_plan import cheapest_fitting, plan_memory
-    from zerospeed.plan.settings import run_settings
+    from zerospeed.plan.settings import model_layout_unplanned, run_settings
 
     args = _parser().parse_args(argv)
     if args.world_size < 1:
@@ -88,6 +88,9 @@ def _run(argv: list[str]) -> int:
         model, example = build_on_meta(args.model)
     except ModelSpecError as err:
         raise PlanUsageError(str(err)) from err
+    refusal = model_layout_unplanned(model)
+    if refusal is not None:
+        raise PlanUsageError(f"--model {args.model!r}: {refusal}")
     try:
         settings = run_settings(args.config, args.world_size, checkpoint_activations=args.activation_checkpointing)
     except (ConfigError, OSError, ValueError) as err:

@@ -5,13 +5,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from torch import nn
+
 from zerospeed.config import Config, load_config
 from zerospeed.config.policies import TrainingPolicy, ZeroPolicy
 from zerospeed.config.values import OffloadDevice
 from zerospeed.plan.states import StateSettings
 from zerospeed.precision.policy import policy_from_config
 
-__all__ = ["RunSettings", "optimizer_class", "run_settings"]
+__all__ = ["RunSettings", "model_layout_unplanned", "optimizer_class", "run_settings", "unplanned"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,25 @@ class RunSettings:
                                                    else checkpoint_activations))
 
 
+def unplanned(what: str) -> str:
+    """Why a plan is refused for a layout it does not model (a wrong plan would be worse than none)."""
+    return (f"{what} is not planned: zerospeed plan models data parallelism (ZeRO stages 0-3, CPU/NVMe offload, "
+            f"activation checkpointing), not how other parallelisms split parameters and activations over ranks; "
+            f"plan the model without it, or measure a short run's peak (engine.memory_breakdown(), peak RSS)")
+
+
+def model_layout_unplanned(model: nn.Module) -> str | None:
+    """The refusal for a model whose layout the plan does not model (pipeline stages, MoE experts), or None."""
+    from zerospeed.moe.layer import MoE
+    from zerospeed.pipe.module import PipelineModule
+
+    if isinstance(model, PipelineModule):
+        return unplanned("a PipelineModule (pipeline parallelism)")
+    if any(isinstance(module, MoE) for module in model.modules()):
+        return unplanned("a model with MoE layers (expert parallelism)")
+    return None
+
+
 def optimizer_class(cfg: Config, zero: ZeroPolicy) -> str:
     """The class name of the optimizer the engine builds for ``cfg`` (``optim.factory.build_optimizer``):
     Adam/AdamW become ``CPUAdam`` under ``offload_optimizer``; ``SGD`` with momentum keeps a buffer."""
@@ -67,6 +88,9 @@ def optimizer_class(cfg: Config, zero: ZeroPolicy) -> str:
 def run_settings(source: object, world_size: int, *, checkpoint_activations: bool = False) -> RunSettings:
     """``source`` (a config dict, path or :class:`Config`) at ``world_size`` data-parallel ranks."""
     cfg = load_config(source, world_size=world_size)  # type: ignore[arg-type]
+    if cfg.tensor_parallel.autotp_size > 1:
+        raise ValueError(unplanned(f"tensor_parallel.autotp_size={cfg.tensor_parallel.autotp_size} (tensor "
+                                   f"parallelism)"))
     policy = policy_from_config(cfg)
     zero = ZeroPolicy.from_config(cfg.zero_optimization)
     training = TrainingPolicy.from_config(cfg)
