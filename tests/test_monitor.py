@@ -200,7 +200,9 @@ def _train_pipeline(tmp: str) -> dict[str, Any]:
     engine, *_ = zerospeed.initialize(model=gpt_pipeline(2, blocks=2), config=config)
     it = rank_iterator(token_batches(3, 2, 2), 0)
     losses = [float(engine.train_batch(it)) for _ in range(3)]
-    return {"losses": losses, "global_samples": engine.global_samples}
+    # its batch loss is already averaged over dp: the events average it over nothing again
+    return {"losses": losses, "global_samples": engine.global_samples,
+            "events_average_again": engine.step_events.averaged_over is not None}
 
 
 def test_a_pipeline_writes_the_batch_loss_once_per_train_batch(tmp_path: Path) -> None:
@@ -209,6 +211,7 @@ def test_a_pipeline_writes_the_batch_loss_once_per_train_batch(tmp_path: Path) -
     read = _read_csv_dir(tmp_path / "rank0" / "pipe")
     assert set(read) == (DEEPSPEED_EVENTS - {"Train/Samples/loss_scale"}) | OWN_EVENTS
     assert outs[0]["global_samples"] == 12
+    assert not any(out["events_average_again"] for out in outs)
     assert read["Train/Samples/train_loss"] == ([4, 8, 12], pytest.approx(outs[0]["losses"], rel=1e-6))
     assert read["Train/Samples/lr"] == ([4, 8, 12], [0.01] * 3)
 

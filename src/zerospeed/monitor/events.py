@@ -70,6 +70,11 @@ class StepEvents:
         self._losses: list[torch.Tensor] = []
         self._last = clock()
 
+    @property
+    def averaged_over(self) -> Comm | None:
+        """The ranks the window's loss is averaged over (None: the engine's losses already are)."""
+        return self._comm
+
     def add_loss(self, loss: torch.Tensor) -> None:
         """A micro-batch's loss, as given to backward (kept as a tensor: no device sync here)."""
         self._losses.append(loss.detach().reshape(()))
