@@ -16,27 +16,36 @@ def _page_size() -> int:
     return int(os.sysconf("SC_PAGE_SIZE"))
 
 
+def _proc_kib_line(path: str, key: str) -> int | None:
+    """Bytes of the ``key: N kB`` line of a ``/proc`` file, None where it cannot be read."""
+    try:
+        with open(path, encoding="ascii") as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
+    except (OSError, IndexError, ValueError):
+        pass
+    return None
+
+
+def _ru_maxrss_bytes() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024  # macOS reports bytes
+
+
 def rss_bytes() -> int:
     """Resident set size of this process now (the peak, if only that is readable)."""
     try:
         with open("/proc/self/statm", encoding="ascii") as f:
             return int(f.read().split()[1]) * _page_size()
     except (OSError, IndexError, ValueError):
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return int(peak) if sys.platform == "darwin" else int(peak) * 1024  # macOS reports bytes
+        return _ru_maxrss_bytes()
 
 
 def peak_rss_bytes() -> int:
     """Peak resident set size of this process (``VmHWM``; ``ru_maxrss`` where ``/proc`` is not readable)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, IndexError, ValueError):
-        pass
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak) if sys.platform == "darwin" else int(peak) * 1024  # macOS reports bytes
+    peak = _proc_kib_line("/proc/self/status", "VmHWM:")
+    return peak if peak is not None else _ru_maxrss_bytes()
 
 
 def total_bytes() -> int:
@@ -46,14 +55,8 @@ def total_bytes() -> int:
 
 def available_bytes() -> int:
     """Memory a new allocation can get without swapping (``MemAvailable``), free pages otherwise."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, IndexError, ValueError):
-        pass
-    return int(os.sysconf("SC_AVPHYS_PAGES")) * _page_size()
+    available = _proc_kib_line("/proc/meminfo", "MemAvailable:")
+    return available if available is not None else int(os.sysconf("SC_AVPHYS_PAGES")) * _page_size()
 
 
 def numa_node_count() -> int:

@@ -23,7 +23,7 @@ from zerospeed.distributed.defaults import DEFAULT_PORT
 from zerospeed.distributed.env import DEFAULT_TIMEOUT, DistEnv, discover, process_group_timeout, shutdown_distributed
 from zerospeed.distributed.env import init_distributed as _start
 from zerospeed.distributed.groups import ProcessGroup
-from zerospeed.comm.summary import configure_from_config, process_logger
+from zerospeed.comm.summary import configure_from_config
 
 if TYPE_CHECKING:
     from zerospeed.config import Config
@@ -135,5 +135,4 @@ def _comm(group: ProcessGroup | None) -> Comm | None:
     target = group if group is not None else groups.world_group()
     if groups.group_rank(target) < 0:
         return None
-    return Comm(target, name="zerospeed.comm", timeout=process_group_timeout(), track_arrivals=False,
-                comms_logger=process_logger())
+    return Comm(target, name="zerospeed.comm", timeout=process_group_timeout(), track_arrivals=False)
