@@ -122,14 +122,13 @@ def _run(argv: list[str]) -> int:
               "time (the 98M GPT: 12-20% less memory, 16-26% slower steps): --malloc fixed, see docs/memory_plan.md)")
     if budget is None:
         return 0
-    on_device = get_accelerator().device_type != "cpu"
     fits = cheapest_fitting(model, trace, settings, baseline, traced_batch=settings.micro_batch, budget=budget,
-                            on_device=on_device, malloc=malloc)
-    what = "device peak" if on_device else "peak per rank"
+                            on_device=not on_cpu, malloc=malloc)
+    what = "peak per rank" if on_cpu else "device peak"
     if not fits:
         print(f"no config fits {args.memory} ({what}); the smallest needs more: try more ranks or NVMe offload")
         return 1
     print(f"cheapest configs whose {what} fits {args.memory}:")
     for cand in fits:
-        print(f"  {cand.label:<95}{_mib(cand.plan.device_peak if on_device else cand.plan.peak)}")
+        print(f"  {cand.label:<95}{_mib(cand.plan.peak if on_cpu else cand.plan.device_peak)}")
     return 0
