@@ -6,6 +6,11 @@ process per rank with ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/``LOCAL_WORLD_SIZE`
 restarts, stops every other rank as soon as one fails. We only translate our plan into its
 ``LaunchConfig`` and its outcome into an exit code. Multi-node runners (ssh/pdsh, slurm, mpirun)
 come later and will sit next to :func:`run_local`.
+
+Each rank starts through :mod:`~zerospeed.launcher.worker_guard` (:func:`guarded_command`), which
+stops the rank and removes the launch's temporary folder if this process dies without doing so
+itself (SIGKILL, the OOM killer); while we live, nothing changes: the agent stops, reports and
+cleans up as before.
 """
 
 from __future__ import annotations
@@ -24,11 +29,12 @@ from typing import TYPE_CHECKING, TextIO
 from zerospeed.distributed.defaults import free_port
 from zerospeed.launcher.errors import LauncherError, MultiNodeNotImplementedError
 from zerospeed.launcher.plan import DEFAULT_MASTER_PORT, LaunchPlan, Program
+from zerospeed.launcher.worker_guard import RUN_DIR_PREFIX, ProcessIdentity, guard_argv
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-__all__ = ["choose_master_port", "local_command", "port_is_free", "run", "run_local"]
+__all__ = ["choose_master_port", "guarded_command", "local_command", "port_is_free", "run", "run_local"]
 
 # torch's agent substitutes this macro in worker arguments with each worker's local rank.
 _LOCAL_RANK_MACRO = "${local_rank}"
@@ -62,6 +68,22 @@ def local_command(program: Program, python: str | None = None) -> tuple[str, lis
     user.insert(0, _escape_macros(program.script))
     flags = ["-u", "-m"] if program.module else ["-u"]
     return python or sys.executable, flags + user
+
+
+def guarded_command(command: tuple[str, list[str]], *, run_dir: str, grace_s: float,
+                    launcher: ProcessIdentity | None = None,
+                    python: str | None = None) -> tuple[str, list[str]]:
+    """Wrap :func:`local_command`'s ``command`` so the rank runs under the worker guard.
+
+    The guard watches ``launcher`` (this process by default), replaces itself with the command by
+    ``exec`` (same PID, argv, environment and exit status as without it) and, if the launcher dies
+    first, stops the rank (SIGTERM, SIGKILL after ``grace_s``) and helps remove ``run_dir``. The
+    command's executable becomes an argument, so it is escaped for the agent's substitution too.
+    """
+    entry, args = command
+    launcher = ProcessIdentity.of(os.getpid()) if launcher is None else launcher
+    guard = guard_argv(launcher, [], run_dir=run_dir, grace_s=grace_s)
+    return python or sys.executable, [*(_escape_macros(a) for a in guard), _escape_macros(entry), *args]
 
 
 def _escape_macros(arg: str) -> str:
@@ -121,11 +143,12 @@ def run_local(plan: LaunchPlan, *, log: TextIO | None = None) -> int:
 
     log = sys.stderr if log is None else log
     port = choose_master_port(plan.master_port, log=log)
-    entrypoint, args = local_command(plan.program)
     host = f"[{plan.master_addr}]" if ":" in plan.master_addr else plan.master_addr
-    with tempfile.TemporaryDirectory(prefix="zerospeed-launch-") as run_dir, _patched_environ(
+    with tempfile.TemporaryDirectory(prefix=RUN_DIR_PREFIX) as run_dir, _patched_environ(
         _worker_environ(plan, os.environ)
     ):
+        entrypoint, args = guarded_command(local_command(plan.program), run_dir=run_dir,
+                                           grace_s=_SHUTDOWN_GRACE_S)
         config = LaunchConfig(
             min_nodes=1,
             max_nodes=1,

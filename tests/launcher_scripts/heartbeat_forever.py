@@ -1,0 +1,19 @@
+"""Write this rank's PID to $ZS_TEST_OUT/pid<RANK>, then beat $ZS_TEST_OUT/beat<RANK> forever.
+
+Stands for a training loop that never learns its launcher died. Deliberately does not import torch
+(or zerospeed), so the orphan test stays fast and shows that the guard needs no import.
+"""
+
+import os
+import time
+
+if __name__ == "__main__":
+    out, rank = os.environ["ZS_TEST_OUT"], os.environ["RANK"]
+    with open(os.path.join(out, f"pid{rank}"), "w", encoding="utf-8") as fh:
+        fh.write(str(os.getpid()))
+    beats = 0
+    while True:
+        beats += 1
+        with open(os.path.join(out, f"beat{rank}"), "w", encoding="utf-8") as fh:
+            fh.write(str(beats))
+        time.sleep(0.05)
