@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import resource
 import sys
+import warnings
 from typing import Any
 
 import torch
@@ -35,12 +37,34 @@ def non_default_settings(cfg: zerospeed.Config, world_size: int) -> dict[str, An
     """Dotted key -> value for everything the resolved config sets beyond DeepSpeed's defaults.
 
     Defaults come from a config holding only the batch keys, so derived batch values and defaults
-    that the config merely restates are not reported.
+    that the config merely restates are not reported. Sections that exist only when written
+    (``optimizer``, ``scheduler``) have defaults that depend on their ``type`` (a scheduler's
+    ``last_batch_iteration``, an optimizer's ``legacy_fusion``): a key there is a default when the
+    config without it resolves to the same value.
     """
     resolved = cfg.to_dict()
     baseline = zerospeed.load_config({k: resolved[k] for k in BATCH_KEYS}, world_size=world_size).to_dict()
     flat, base = _flatten(resolved), _flatten(baseline)
-    return {key: value for key, value in flat.items() if key not in base or base[key] != value}
+    return {key: value for key, value in flat.items()
+            if (base[key] != value if key in base else not _resolves_without(resolved, key, value, world_size))}
+
+
+def _resolves_without(resolved: dict[str, Any], key: str, value: Any, world_size: int) -> bool:
+    """Whether ``resolved`` with dotted ``key`` left out still resolves to ``value`` there (a required
+    key, whose removal is refused, is the user's)."""
+    *path, leaf = key.split(".")
+    trimmed = copy.deepcopy(resolved)
+    section = trimmed
+    for name in path:
+        section = section[name]
+    del section[leaf]
+    try:
+        with warnings.catch_warnings():  # e.g. a default warmup longer than the run: not the question here
+            warnings.simplefilter("ignore")
+            again = _flatten(zerospeed.load_config(trimmed, world_size=world_size).to_dict())
+    except (zerospeed.ConfigError, ValueError):
+        return False
+    return key in again and again[key] == value
 
 
 def format_settings(settings: dict[str, Any], indent: str) -> str:

@@ -184,7 +184,11 @@ def pth_hook_installed() -> bool:
 def install_from_environment(environ: Mapping[str, str] | None = None) -> bool:
     """The ``.pth`` hook: install when ``ZEROSPEED_AS_DEEPSPEED`` is on. It runs at interpreter start,
     where an exception would only print a traceback, so problems are reported as one clear line on
-    stderr instead. Returns whether the alias is installed."""
+    stderr instead. Returns whether the alias is installed.
+
+    The ``.pth`` line calls it only while this module is not imported yet: inside a virtual environment
+    CPython's ``site`` reads site-packages twice (once for the venv, once more with the system prefixes),
+    which ran the hook, and printed its complaint, twice."""
     env = os.environ if environ is None else environ
     value = env.get(ENV_SWITCH, "").strip().lower()
     if value in _FALSE:

@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import os
 from typing import Any, Callable, Iterable
 
 import torch
@@ -171,7 +172,8 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     if training_data is not None:
         loader = DistributedLoader(training_data, micro_batch_size=training.train_micro_batch_size_per_gpu,
                                    rank=comm.rank, world_size=comm.world_size, collate_fn=collate_fn,
-                                   drop_last=cfg.dataloader_drop_last)
+                                   drop_last=cfg.dataloader_drop_last,
+                                   gradient_accumulation_steps=training.gradient_accumulation_steps)
     if parts is not None:
         from zerospeed.pipe.engine import PipelineEngine
 
@@ -186,7 +188,9 @@ def initialize(args: Any = None, model: nn.Module | None = None,
                         step_events=_step_events(cfg, comm))
     _ensure_log_handler()
     if group_rank() == 0:
-        log.info("zerospeed config (resolved, every default in force):\n%s", cfg.to_json())
+        # One line at INFO; DeepSpeed's ~250-line dump of every default in force only at DEBUG.
+        log.info("%s", config_line(cfg, training))
+        log.debug("zerospeed config (resolved, every default in force):\n%s", cfg.to_json())
         if layer_drop is not None:
             log.info("progressive layer drop: theta(t) = (1 - %g) * exp(-%g * t) + %g, passed to the model's "
                      "training forwards as pld_theta", layer_drop.theta, layer_drop.gamma, layer_drop.theta)
@@ -299,13 +303,43 @@ def _configure_activation_checkpointing(cfg: Config) -> None:
         checkpointing.configure(None, deepspeed_config=cfg)
 
 
+#: Environment variable naming the ``zerospeed`` logger's level (debug shows the whole resolved config).
+LOG_LEVEL_ENV = "ZEROSPEED_LOG_LEVEL"
+_LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR,
+               "critical": logging.CRITICAL}
+
+
 def _ensure_log_handler() -> None:
-    """Show zerospeed's INFO lines (config, step reports) like DeepSpeed does, unless the user set up logging."""
+    """Show zerospeed's INFO lines (config, step reports) like DeepSpeed does, unless the user set up logging.
+
+    ``ZEROSPEED_LOG_LEVEL`` (debug, info, warning, error, critical) sets the ``zerospeed`` logger's level;
+    without it a level the user set on that logger is kept, and an unset one becomes INFO.
+    """
     if not log.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("[zerospeed] %(message)s"))
         log.addHandler(handler)
-        log.setLevel(logging.INFO)
+        if log.level == logging.NOTSET:
+            log.setLevel(logging.INFO)
+    wanted = os.environ.get(LOG_LEVEL_ENV, "").strip()
+    if wanted:
+        level = _LOG_LEVELS.get(wanted.lower())
+        if level is None:
+            raise ValueError(f"{LOG_LEVEL_ENV}={wanted!r} is not a log level; use one of {', '.join(_LOG_LEVELS)} "
+                             f"(debug also logs the whole resolved config) or unset it")
+        log.setLevel(level)
+
+
+def config_line(cfg: Config, training: TrainingPolicy) -> str:
+    """The config as one INFO line: the batch arithmetic, precision, ZeRO stage and the features asked for,
+    and how to see all of it (DeepSpeed prints every key at start-up; here that dump is at DEBUG)."""
+    batch, micro = training.train_batch_size, training.train_micro_batch_size_per_gpu
+    accum = training.gradient_accumulation_steps
+    features = ", ".join(cfg.features_in_use()) or "none"
+    return (f"zerospeed config (resolved): batch {batch} = micro {micro} x accumulation {accum} x "
+            f"{batch // (micro * accum)} data-parallel rank(s), {cfg.precision.value}, ZeRO stage "
+            f"{cfg.zero_optimization.stage}; features in use: {features} (the full config is logged "
+            f"at DEBUG: {LOG_LEVEL_ENV}=debug, or logging.getLogger('zerospeed').setLevel(logging.DEBUG))")
 
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")

@@ -7,8 +7,10 @@ the reason.
 
 from __future__ import annotations
 
+import argparse
 import platform
 import sys
+from collections.abc import Sequence
 
 
 def lines() -> list[str]:
@@ -36,7 +38,20 @@ def lines() -> list[str]:
     ]
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The report takes no arguments; the parser gives it ``--help`` and refuses anything else (exit 2)
+    before the report imports torch and probes the machine."""
+    return argparse.ArgumentParser(
+        prog="zerospeed report",
+        description="Print what this installation runs: zerospeed's, torch's and Python's versions, the "
+        "accelerator and communication backend zerospeed would pick, the CPU threads, and which CPU "
+        "optimizer and int8 matmul kernels are active (native or the PyTorch fallback), with the reason.",
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``zerospeed report``: parse the (empty) arguments, then print :func:`lines`."""
+    build_parser().parse_args(list(argv) if argv is not None else None)
     for line in lines():
         print(line)
     return 0

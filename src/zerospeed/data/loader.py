@@ -7,10 +7,14 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sized
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+log = logging.getLogger("zerospeed")
 
 
 class ResumableSampler(DistributedSampler):
@@ -30,17 +34,69 @@ class ResumableSampler(DistributedSampler):
         return super().__len__() - self.start_index
 
 
+def small_dataset_warning(samples: int, *, micro_batch_size: int, gradient_accumulation_steps: int,
+                          world_size: int, drop_last: bool) -> str | None:
+    """What goes wrong when ``samples`` is less than one global batch (``None`` when it is not), and the fix.
+
+    torch's ``DistributedSampler`` evens the ranks out by repeating samples (or, with drop_last, leaving
+    some out) and the last micro-batch of an epoch may be partial: harmless on a large dataset, but on
+    one smaller than a global batch every optimizer step trains on short micro-batches holding repeated
+    rows (or steps only every few epochs), which looks like a working run.
+    """
+    global_batch = micro_batch_size * gradient_accumulation_steps * world_size
+    if samples >= global_batch:
+        return None
+    if drop_last:
+        per_rank = samples // world_size
+        micro_batches = per_rank // micro_batch_size
+        shares = f"each rank gets {per_rank} sample(s) per epoch"
+        if samples - per_rank * world_size:
+            shares += f" ({samples - per_rank * world_size} left out by dataloader_drop_last)"
+    else:
+        per_rank = -(-samples // world_size)
+        micro_batches = -(-per_rank // micro_batch_size)
+        shares = f"each rank gets {per_rank} sample(s) per epoch"
+        if per_rank * world_size - samples:
+            shares += f" (including {per_rank * world_size - samples} repeated, so that every rank gets as many)"
+    effects = [shares]
+    if not drop_last and per_rank % micro_batch_size:
+        effects.append(f"its {'only' if micro_batches == 1 else 'last'} micro-batch holds {per_rank % micro_batch_size} "
+                       f"instead of {micro_batch_size}")
+    if micro_batches == 0:
+        effects.append("an epoch yields no micro-batch at all")
+    elif micro_batches < gradient_accumulation_steps:
+        effects.append(f"an epoch is {micro_batches} micro-batch(es), fewer than the {gradient_accumulation_steps} "
+                       "of one optimizer step")
+    return (f"the training data holds {samples} samples, fewer than one global batch of {global_batch} "
+            f"(train_micro_batch_size_per_gpu {micro_batch_size} x gradient_accumulation_steps "
+            f"{gradient_accumulation_steps} x {world_size} data-parallel rank(s)): {'; '.join(effects)}. Add data "
+            f"(at least {global_batch} samples) or lower train_micro_batch_size_per_gpu / gradient_accumulation_steps")
+
+
 class DistributedLoader:
-    """Micro-batches of this rank's shard of ``dataset``, an epoch at a time."""
+    """Micro-batches of this rank's shard of ``dataset``, an epoch at a time.
+
+    ``gradient_accumulation_steps`` only sizes the global batch for the warning (rank 0, once) that the
+    dataset is smaller than one global batch (:func:`small_dataset_warning`).
+    """
 
     def __init__(self, dataset: Dataset, *, micro_batch_size: int, rank: int, world_size: int,
                  collate_fn: Callable[[list[Any]], Any] | None = None, drop_last: bool = False,
-                 shuffle: bool = True, seed: int = 0, num_workers: int = 0, pin_memory: bool = False):
+                 shuffle: bool = True, seed: int = 0, num_workers: int = 0, pin_memory: bool = False,
+                 gradient_accumulation_steps: int = 1):
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size={micro_batch_size} must be >= 1 "
                              f"(train_micro_batch_size_per_gpu in the config)")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside the data-parallel world of {world_size}")
+        if gradient_accumulation_steps < 1:
+            raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps} must be >= 1")
+        if rank == 0 and isinstance(dataset, Sized):
+            warning = small_dataset_warning(len(dataset), micro_batch_size=micro_batch_size,
+                                            gradient_accumulation_steps=gradient_accumulation_steps,
+                                            world_size=world_size, drop_last=drop_last)
+            if warning is not None:
+                log.warning("%s", warning)
         self.micro_batch_size = micro_batch_size
         self.drop_last = drop_last
         self.sampler = ResumableSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle,

@@ -1,10 +1,38 @@
-"""Distributed runtime: rank discovery, process groups, and the single door to collectives."""
+"""Distributed runtime: rank discovery, process groups, and the single door to collectives.
 
-from zerospeed.distributed.comm import CollectiveError, CollectiveTimeout, Comm, CommCounts, CommStats, Handle
-from zerospeed.distributed.env import DistEnv, discover, init_distributed, shutdown_distributed
-from zerospeed.distributed.mesh import Mesh, ParallelDims
+The names below are imported on first use (PEP 562), so importing a torch-free submodule such as
+``zerospeed.distributed.defaults`` (the launcher does, to check its arguments) does not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from zerospeed.distributed.comm import CollectiveError, CollectiveTimeout, Comm, CommCounts, CommStats, Handle
+    from zerospeed.distributed.env import DistEnv, discover, init_distributed, shutdown_distributed
+    from zerospeed.distributed.mesh import Mesh, ParallelDims
+
+_LAZY = {
+    **dict.fromkeys(("CollectiveError", "CollectiveTimeout", "Comm", "CommCounts", "CommStats", "Handle"),
+                    "zerospeed.distributed.comm"),
+    **dict.fromkeys(("DistEnv", "discover", "init_distributed", "shutdown_distributed"), "zerospeed.distributed.env"),
+    **dict.fromkeys(("Mesh", "ParallelDims"), "zerospeed.distributed.mesh"),
+}
 
 __all__ = [
     "CollectiveError", "CollectiveTimeout", "Comm", "CommCounts", "CommStats", "Handle", "DistEnv", "discover",
     "init_distributed", "shutdown_distributed", "Mesh", "ParallelDims",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'zerospeed.distributed' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -4,23 +4,36 @@
 anything else is the launcher: ``zerospeed [launcher options] script.py [script args]``. Launcher
 options must come before the script; everything after it belongs to the script, verbatim.
 
-User mistakes become one ``zerospeed: error: ...`` line on stderr and exit code 2.
+User mistakes become one ``zerospeed: error: ...`` line on stderr and exit code 2, found before torch
+is imported (importing it takes seconds on a busy machine): the arguments, the script and the hostfile are
+checked first, and CUDA devices are counted only when the plan needs the count.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
+import platform
 import shutil
 import sys
+import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import NoReturn
 
 from zerospeed.launcher.errors import LauncherError
-from zerospeed.launcher.plan import DEFAULT_MASTER_ADDR, LaunchPlan, LaunchRequest, Program, resolve_plan
+from zerospeed.launcher.plan import (
+    DEFAULT_MASTER_ADDR,
+    LaunchPlan,
+    LaunchRequest,
+    Program,
+    check_request,
+    resolve_plan,
+)
 
-__all__ = ["build_launch_parser", "launch_main", "main", "plan_from_args", "split_script", "subcommands"]
+__all__ = ["build_launch_parser", "launch_main", "main", "plan_from_args", "split_script", "subcommands",
+           "version_line"]
 
 PROG = "zerospeed"
 USAGE_ERROR = 2
@@ -35,6 +48,30 @@ def subcommands() -> Mapping[str, Subcommand]:
     A script that happens to share a subcommand's name can still be launched as ``./name``.
     """
     return MappingProxyType({"convert": _convert, "report": _report, "plot": _plot, "plan": _plan})
+
+
+# One line per subcommand for ``zerospeed --help``, in the order shown.
+_SUBCOMMAND_SUMMARIES = (
+    ("convert", "a checkpoint (any world size, ZeRO stage) to safetensors"),
+    ("report", "what this installation runs: versions, backend, kernels"),
+    ("plot", "a CSV monitor run's loss, lr, throughput and memory as a PNG"),
+    ("plan", "a config's per-rank peak memory, before running it"),
+)
+
+
+def version_line() -> str:
+    """``zerospeed --version``: zerospeed's, torch's and Python's versions, without importing torch.
+
+    torch's version is read from its installed metadata, so the answer is instant (DeepSpeed's
+    ``ds_report`` imports torch for it). ``zerospeed report`` gives the full picture.
+    """
+    import zerospeed
+
+    try:
+        torch_version = f"torch {importlib.metadata.version('torch')}"
+    except importlib.metadata.PackageNotFoundError:
+        torch_version = "torch not installed"
+    return f"{PROG} {zerospeed.__version__} ({torch_version}, Python {platform.python_version()})"
 
 
 def _plot(argv: list[str]) -> int:
@@ -74,11 +111,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def launch_main(argv: Sequence[str]) -> int:
-    """Parse launcher options, resolve the plan and run it."""
-    from zerospeed.launcher.runners import run
-
+    """Parse launcher options, resolve the plan and run it (the runner, and torch, load after the plan)."""
     try:
         plan = plan_from_args(argv)
+        from zerospeed.launcher.runners import run
+
         return run(plan)
     except LauncherError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
@@ -113,7 +150,8 @@ _VALUE_OPTIONS = frozenset({
     "--num_nodes", "--num-nodes", "--master_addr", "--master-addr", "--master_port",
     "--master-port", "-H", "--hostfile", "-i", "--include", "-e", "--exclude",
 })
-_USAGE = f"{PROG} [options] script [script args ...]\n       {PROG} <subcommand> ..."
+_USAGE = (f"{PROG} [options] script [script args ...]\n"
+          f"       {PROG} {{{','.join(name for name, _ in _SUBCOMMAND_SUMMARIES)}}} ...")
 
 
 def build_launch_parser() -> argparse.ArgumentParser:
@@ -123,13 +161,22 @@ def build_launch_parser() -> argparse.ArgumentParser:
         prog=PROG,
         usage=_USAGE,
         allow_abbrev=False,
-        description="Launch a training script on one machine, one process per rank, "
-        "DeepSpeed-style. Launcher options go before the script (a .py file; a module with -m; an "
-        "executable with --no_python); everything after the script is passed to it unchanged.",
-        epilog="Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and "
-        "MASTER_PORT (and OMP_NUM_THREADS=1 if unset and more than one rank). If any rank fails, "
-        "the others are stopped and the launcher exits non-zero.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=_paragraph(
+            "Launch a training script on one machine, one process per rank, DeepSpeed-style. Launcher "
+            "options go before the script (a .py file; a module with -m; an executable with --no_python); "
+            "everything after the script is passed to it unchanged."),
+        epilog="\n\n".join((
+            "subcommands (zerospeed <subcommand> --help for each):\n" + "\n".join(
+                f"  {name:<10}{summary}" for name, summary in _SUBCOMMAND_SUMMARIES),
+            _paragraph(
+                "Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT "
+                "(and OMP_NUM_THREADS=1 if unset and more than one rank). If any rank fails, the others are "
+                "stopped and the launcher exits non-zero."),
+        )),
     )
+    parser.add_argument("--version", action="version", version=version_line(),
+                        help="print zerospeed's, torch's and Python's versions and exit")
     count = parser.add_mutually_exclusive_group()
     count.add_argument("--num_procs", "--num-procs", "--nproc_per_node", "--nproc-per-node",
                        dest="num_procs", type=int, metavar="N",
@@ -162,6 +209,11 @@ def build_launch_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _paragraph(text: str) -> str:
+    """``text`` wrapped for the raw help formatter (which keeps the subcommand table's lines)."""
+    return textwrap.fill(text, width=max(shutil.get_terminal_size().columns - 2, 40))
+
+
 def split_script(argv: Sequence[str]) -> tuple[list[str], str | None, list[str]]:
     """Split ``argv`` into (launcher options, script, script args) at the first non-option token.
 
@@ -187,7 +239,12 @@ def split_script(argv: Sequence[str]) -> tuple[list[str], str | None, list[str]]
 
 
 def plan_from_args(argv: Sequence[str], *, environ: Mapping[str, str] | None = None) -> LaunchPlan:
-    """Parse ``argv`` and resolve it against this machine (hostfile, CUDA devices)."""
+    """Parse ``argv`` and resolve it against this machine (hostfile, CUDA devices).
+
+    Everything that needs no device count is checked first; torch is imported to count CUDA devices
+    only when the plan depends on the count (no --num_procs and no hostfile, or --include/--exclude
+    picking devices), so a usage error never waits for torch.
+    """
     from zerospeed.launcher.hostfile import read_hostfile
 
     environ = os.environ if environ is None else environ
@@ -213,7 +270,20 @@ def plan_from_args(argv: Sequence[str], *, environ: Mapping[str, str] | None = N
         master_addr=ns.master_addr,
         master_port=ns.master_port,
     )
+    check_request(request)
     hostfile = read_hostfile(ns.hostfile) if ns.hostfile else None
+    if hostfile is not None or request.num_procs is not None:
+        # The pool's size is known without CUDA: resolve (and so validate) the plan before any import
+        # of torch. Only device selection (--include/--exclude) still needs to know whether CUDA exists.
+        plan = resolve_plan(
+            request,
+            hostfile_resources=hostfile,
+            default_local_slots=1,
+            cuda_available=False,
+            inherited_visible_devices=environ.get("CUDA_VISIBLE_DEVICES"),
+        )
+        if not (request.include or request.exclude):
+            return plan
     cuda_count = _cuda_device_count()
     return resolve_plan(
         request,
@@ -232,9 +302,30 @@ def _check_program(program: Program) -> None:
         if os.path.isfile(program.script) or shutil.which(program.script):
             return
         raise LauncherError(f"executable {program.script!r} not found (with --no_python)")
+    if os.path.isdir(program.script):
+        _check_directory_script(program.script)
+        return
     if not os.path.isfile(program.script):
         hint = " (did you mean --module?)" if not program.script.endswith(".py") else ""
         raise LauncherError(f"script {program.script!r} not found{hint}")
+
+
+def _check_directory_script(path: str) -> None:
+    """Python runs a directory through its ``__main__.py``; any other directory is refused with the
+    scripts found inside it, so the user sees what to pass instead."""
+    if os.path.isfile(os.path.join(path, "__main__.py")):
+        return
+    scripts = sorted(name for name in os.listdir(path) if name.endswith(".py") and not name.startswith("_"))
+    if scripts:
+        shown = ", ".join(repr(os.path.join(path, name)) for name in scripts[:3])
+        more = f" (and {len(scripts) - 3} more)" if len(scripts) > 3 else ""
+        inside = f"pass one of the scripts inside it: {shown}{more}"
+    else:
+        inside = "pass the .py file to run"
+    raise LauncherError(
+        f"script {path!r} is a directory, not a file (and has no __main__.py); {inside}, or run a package "
+        "with --module"
+    )
 
 
 def _cuda_device_count() -> int:

@@ -18,7 +18,7 @@ from zerospeed.launcher.hostfile import local_resources, parse_inclusion_exclusi
 
 
 __all__ = ["DEFAULT_MASTER_ADDR", "DEFAULT_MASTER_PORT", "LaunchPlan", "LaunchRequest", "Program",
-           "resolve_plan"]
+           "check_request", "resolve_plan"]
 
 DEFAULT_MASTER_ADDR = DEFAULT_ADDR
 DEFAULT_MASTER_PORT = DEFAULT_PORT
@@ -93,18 +93,8 @@ def resolve_plan(
     ``default_local_slots``: the CUDA device count, or 1). With a hostfile, --include/--exclude
     select slots, --num_nodes keeps the first K hosts and --num_procs the first N slots per host.
     """
-    _check_counts(request)
+    check_request(request)
     filtering = bool(request.include or request.exclude)
-    if filtering and (request.num_procs is not None or request.num_nodes is not None):
-        raise LauncherError(
-            "--num_procs/--num_gpus/--num_nodes cannot be combined with --include/--exclude; "
-            "select slots with one or the other"
-        )
-    if request.num_nodes is not None and request.num_nodes > 1:
-        raise MultiNodeNotImplementedError(
-            f"multi-node launch is not implemented yet (--num_nodes {request.num_nodes}); "
-            "run with --num_nodes 1 or start one launcher per node"
-        )
     if hostfile_resources is None:
         pool = local_resources(request.num_procs or default_local_slots)
         hosts_from = "this machine"
@@ -132,6 +122,25 @@ def resolve_plan(
         visible_devices=visible,
         hosts_from=hosts_from,
     )
+
+
+def check_request(request: LaunchRequest) -> None:
+    """Reject what is wrong whatever the machine holds (counts, ports, conflicting flags, multi-node).
+
+    Needs no hostfile and no device count, so the launcher calls it before importing torch to count
+    CUDA devices: a usage error is reported at once. :func:`resolve_plan` calls it too.
+    """
+    _check_counts(request)
+    if (request.include or request.exclude) and (request.num_procs is not None or request.num_nodes is not None):
+        raise LauncherError(
+            "--num_procs/--num_gpus/--num_nodes cannot be combined with --include/--exclude; "
+            "select slots with one or the other"
+        )
+    if request.num_nodes is not None and request.num_nodes > 1:
+        raise MultiNodeNotImplementedError(
+            f"multi-node launch is not implemented yet (--num_nodes {request.num_nodes}); "
+            "run with --num_nodes 1 or start one launcher per node"
+        )
 
 
 def _check_counts(request: LaunchRequest) -> None:

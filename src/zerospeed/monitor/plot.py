@@ -117,9 +117,16 @@ def _mib(value: float, _position: Any) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``zerospeed plot RUN_DIR [-o OUT]``: prints the PNG's path; exit code 2 on a missing run."""
-    parser = argparse.ArgumentParser(prog="zerospeed plot", description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("run_dir", help="a CSV monitor's directory: csv_monitor.output_path/job_name")
-    parser.add_argument("-o", "--output", default=None, help=f"the PNG to write (default RUN_DIR/{DEFAULT_NAME})")
+    # Plain text: the module docstring is reST (double backticks) and would show its markup in --help.
+    parser = argparse.ArgumentParser(
+        prog="zerospeed plot",
+        description="Draw a run's loss, learning rate, throughput and memory over global_samples into one "
+        "PNG, from the files of a CSV monitor (the \"csv_monitor\" config section). Prints the PNG's path.",
+    )
+    parser.add_argument("run_dir", metavar="RUN_DIR",
+                        help="a CSV monitor's directory: csv_monitor.output_path/job_name")
+    parser.add_argument("-o", "--output", default=None, metavar="OUT",
+                        help=f"the PNG to write (default: RUN_DIR/{DEFAULT_NAME})")
     args = parser.parse_args(list(argv) if argv is not None else None)
     try:
         result = plot_run(args.run_dir, args.output)

@@ -72,6 +72,11 @@ def plan_main(argv: Sequence[str]) -> int:
 
 
 def _run(argv: list[str]) -> int:
+    # Arguments first: --help and usage errors answer before torch is imported (seconds on a busy machine).
+    args = _parser().parse_args(argv)
+    if args.world_size < 1:
+        raise PlanUsageError(f"--world-size {args.world_size}: must be at least 1")
+    budget = parse_memory(args.memory) if args.memory is not None else None
     from zerospeed.accelerator import get_accelerator
     from zerospeed.config import ConfigError
     from zerospeed.plan.activations import trace_activations
@@ -80,10 +85,6 @@ def _run(argv: list[str]) -> int:
     from zerospeed.plan.memory_plan import cheapest_fitting, plan_memory
     from zerospeed.plan.settings import model_layout_unplanned, run_settings
 
-    args = _parser().parse_args(argv)
-    if args.world_size < 1:
-        raise PlanUsageError(f"--world-size {args.world_size}: must be at least 1")
-    budget = parse_memory(args.memory) if args.memory is not None else None
     try:
         model, example = build_on_meta(args.model)
     except ModelSpecError as err:
