@@ -21,6 +21,14 @@ Each round, in the same process and on the same disk (``--dir``, default the sys
   async save      engine.save_checkpoint(async_save=True): the time until it returns (training is
                   blocked) and until engine.wait_for_checkpoint() returns (the whole save)
 
+The cost of the checkpoint's integrity checks (a CRC-32 of every tensor, computed while writing and
+checked while loading), in the same rounds:
+
+  save/load (crc32 off)   the same save and load with zlib.crc32 replaced by a stub returning 0 in the
+                  checkpoint modules (the manifest then records zeros, which the load "checks")
+  write-behind + crc32    the write-behind row with the writer's checksums on
+  crc32 in memory         zlib.crc32 over the same byte count, already in memory (no disk)
+
 Pages are dropped with posix_fadvise(POSIX_FADV_DONTNEED) on each file after its fsync (per file,
 without root; /proc/sys/vm/drop_caches would also evict the other users' caches). GB/s is 1e9
 bytes/s of the bytes on disk; ratios are to the baseline write (saves) or read (loads). Prints the
@@ -39,8 +47,12 @@ import os
 import shutil
 import statistics
 import sys
+import contextlib
 import tempfile
 import time
+import types
+import zlib
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -78,19 +90,47 @@ def _baseline_write(path: str, nbytes: int, block: memoryview) -> float:
     return time.perf_counter() - start
 
 
-def _baseline_write_behind(path: str, nbytes: int, block: memoryview) -> float:
+def _baseline_write_behind(path: str, nbytes: int, block: memoryview, checksums: bool = False) -> float:
     """The same bytes through the checkpoint's writer (write-behind, then fsync): what the disk
     gives when copying in and writing out overlap, which the plain baseline leaves serial."""
     from zerospeed.checkpoint.safetensors_io import StreamingWriter
 
     data = torch.frombuffer(block, dtype=torch.uint8)
     start = time.perf_counter()
-    with StreamingWriter(path, [("bytes", torch.uint8, (nbytes,))]) as writer:
+    with StreamingWriter(path, [("bytes", torch.uint8, (nbytes,))], checksums=checksums) as writer:
         left = nbytes
         while left:
             writer.write(data[: min(left, data.numel())])
             left -= min(left, data.numel())
     return time.perf_counter() - start
+
+
+def _crc_in_memory(nbytes: int, block: memoryview) -> float:
+    """zlib.crc32 over ``nbytes`` bytes already in memory (the checksum's own cost, no disk)."""
+    start = time.perf_counter()
+    crc, left = 0, nbytes
+    while left:
+        crc = zlib.crc32(block[: min(left, len(block))], crc)
+        left -= min(left, len(block))
+    return time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def _crc_off() -> Iterator[None]:
+    """The checkpoint modules with ``zlib.crc32`` stubbed to 0 (saves record 0, loads compare 0 with 0):
+    the same save and load without the cost of the checksums, for the A/B rows."""
+    from zerospeed.checkpoint import commit, layout, reader, safetensors_io
+
+    modules = (commit, layout, reader, safetensors_io)
+    stub = types.SimpleNamespace(crc32=lambda data, value=0: 0)
+    saved = [module.zlib for module in modules]  # type: ignore[attr-defined]
+    for module in modules:
+        module.zlib = stub  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for module, original in zip(modules, saved):
+            module.zlib = original  # type: ignore[attr-defined]
 
 
 def _baseline_read(path: str, buffer: memoryview) -> float:
@@ -160,21 +200,28 @@ def _bench(size_gb: float, width: int, stage: int, rounds: int, workdir: str, wi
             os.remove(base)
             add("write-behind write", _baseline_write_behind(base, ckpt_bytes, block))
             os.remove(base)
-        torch.distributed.barrier()
-        tag = f"round{r}"
-        start = time.perf_counter()
-        engine.save_checkpoint(ckpt, tag=tag)
-        add("save", time.perf_counter() - start)
-        torch.distributed.barrier()
-        if lead:
-            _drop_cache(os.path.join(ckpt, tag))
-        torch.distributed.barrier()
-        start = time.perf_counter()
-        engine.load_checkpoint(ckpt, tag=tag)
-        add("load", time.perf_counter() - start)
-        torch.distributed.barrier()
-        if lead:
-            shutil.rmtree(os.path.join(ckpt, tag))
+            add("write-behind + crc32", _baseline_write_behind(base, ckpt_bytes, block, checksums=True))
+            os.remove(base)
+            add("crc32 in memory", _crc_in_memory(ckpt_bytes, block))
+        # with and without the checksums, in alternating order from round to round
+        for crc in ((True, False) if r % 2 == 0 else (False, True)):
+            suffix = "" if crc else " (crc32 off)"
+            torch.distributed.barrier()
+            tag = f"round{r}{'' if crc else '-nocrc'}"
+            with contextlib.nullcontext() if crc else _crc_off():
+                start = time.perf_counter()
+                engine.save_checkpoint(ckpt, tag=tag)
+                add("save" + suffix, time.perf_counter() - start)
+                torch.distributed.barrier()
+                if lead:
+                    _drop_cache(os.path.join(ckpt, tag))
+                torch.distributed.barrier()
+                start = time.perf_counter()
+                engine.load_checkpoint(ckpt, tag=tag)
+                add("load" + suffix, time.perf_counter() - start)
+            torch.distributed.barrier()
+            if lead:
+                shutil.rmtree(os.path.join(ckpt, tag))
         if with_torch:
             path = os.path.join(workdir, f"torch{comm_rank}.pt")
             state = {"module": engine.module.state_dict(), "optimizer": engine.optimizer.state_dict()}
@@ -223,7 +270,8 @@ def main() -> None:
     lead = results[0]
     rows = {k: list(v) for k, v in lead["rows"].items()}
     for other in results[1:]:  # a collective save or load takes as long as its slowest rank
-        for name in ("save", "load", "async save (returns)", "async save (total)"):
+        for name in ("save", "load", "save (crc32 off)", "load (crc32 off)", "async save (returns)",
+                     "async save (total)"):
             rows[name] = [max(a, b) for a, b in zip(rows[name], other["rows"][name])]
     nbytes = lead["bytes"]
     torch_bytes = int(rows.pop("torch.save bytes", [nbytes])[0]) * lead["world"]
@@ -244,6 +292,11 @@ def main() -> None:
     load_ratio = (nbytes / statistics.median(rows["load"])) / (nbytes / base_read)
     print(f"target: save >= {TARGET:.0%} of the baseline write: {save_ratio:.0%} "
           f"{'PASS' if save_ratio >= TARGET else 'FAIL'}; load vs baseline read: {load_ratio:.0%}")
+    med = {name: statistics.median(times) for name, times in rows.items()}
+    print(f"checksums (crc32 per tensor): save {med['save'] / med['save (crc32 off)'] - 1:+.0%} time, load "
+          f"{med['load'] / med['load (crc32 off)'] - 1:+.0%} time against the same with crc32 off; crc32 in memory "
+          f"{nbytes / med['crc32 in memory'] / 1e9:.2f} GB/s vs the plain disk write {nbytes / base_write / 1e9:.2f} "
+          f"GB/s; write-behind {med['write-behind + crc32'] / med['write-behind write'] - 1:+.0%} time with crc32")
 
 
 if __name__ == "__main__":

@@ -199,7 +199,7 @@ def _one_rank(root: str) -> dict[str, Any]:
 def test_async_save_and_a_second_engine_in_the_same_directory(tmp_path: Any) -> None:
     result = run_distributed(_one_rank, 1, str(tmp_path), pg_timeout=30, timeout=120)[0]
     assert result["client_state"] == {"step": 1, "ema": [0.0, 0.0, 0.0]}  # as it was when save returned
-    assert result["tags"] == ["disc", "gen", "latest"]
+    assert result["tags"] == [".zerospeed-save.lock", "disc", "gen", "latest"]  # the folder's save lock stays
     assert result["rollback"] == [] and result["rollback_keys"] == ["exp_avg", "exp_avg_sq", "step"]
     assert result["gen_params"] == ["weight", "bias"]
     empty, custom = result["errors"]

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import random
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -80,9 +81,11 @@ def _poisoned(root: str, which: str) -> dict[str, Any]:
     manifest_path = os.path.join(path, layout.MANIFEST)  # a forged checkpoint is consistent
     with open(manifest_path) as f:
         manifest = json.load(f)
-    manifest["files"][os.path.basename(target)]["bytes"] = os.path.getsize(target)
-    with open(manifest_path, "w") as f:
-        json.dump(manifest, f)
+    with open(target, "rb") as f:
+        data = f.read()
+    manifest["files"][os.path.basename(target)].update(bytes=len(data), crc32=zlib.crc32(data))
+    with open(manifest_path, "wb") as f:  # checksums and all, as a forger would
+        f.write(layout.encode_manifest(manifest))
     loader = _engine(1)
     before = _params(loader)
     counters = [loader.global_steps, loader.micro_steps, loader.get_lr()]

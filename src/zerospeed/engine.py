@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Protocol
 import torch
 from torch import nn
 
+from zerospeed.checkpoint.layout import SaveLocks
 from zerospeed.config import Config
 from zerospeed.config.policies import TrainingPolicy
 from zerospeed.data.loader import DistributedLoader
@@ -29,6 +30,7 @@ from zerospeed.distributed.mesh import Mesh
 from zerospeed.engine_api import DeepSpeedEngineAPI
 from zerospeed.layer_drop import LayerDropSchedule
 from zerospeed.monitor.events import NoStepEvents, StepEvents
+from zerospeed.precision.nonfinite import NonFiniteStep, NonFiniteSteps, classify
 from zerospeed.precision.policy import MixedPrecisionPolicy
 from zerospeed.profiling.flops_profiler.engine_profiler import NoFlopsProfiler, StepProfiler
 from zerospeed.profiling.timers import NoTimers, PhaseTimers
@@ -84,6 +86,9 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self.policy = policy
         self.lr_scheduler = lr_scheduler
         self.scaler = policy.make_scaler()
+        # Steps whose gradient norm is not finite: counted, reported (rate-limited), and the run stopped
+        # after skipped_steps.raise_after_consecutive of them in a row.
+        self.nonfinite = NonFiniteSteps(policy.nonfinite)
         # The torch optimizer itself (over fp32 masters, or this rank's shards of them under ZeRO),
         # so torch schedulers accept it; ``optimizer.cur_scale`` follows the live loss scale.
         self.optimizer = optimizer
@@ -101,6 +106,8 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self.global_steps = 0
         self.global_samples = 0
         self.skipped_steps = 0
+        self._skipped_at_print = 0  # skipped_steps at the last progress line
+        self._window_loss: torch.Tensor | None = None  # this rank's losses of the window, summed (nan/inf stay)
         self._step_applied = False
         self._global_grad_norm: float | None = None
         self._in_no_sync = False
@@ -116,6 +123,9 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self.checkpoint_id: str = comm.all_gather_object(uuid.uuid4().hex)[0]
         self._checkpoint_calls = 0
         self._pending_save: BackgroundSave | None = None
+        # The folders this engine saves into, locked against other jobs from its first save there until
+        # destroy() or the process ends (taken by the save's rank 0; see checkpoint/layout.SaveLocks).
+        self.save_locks = SaveLocks(self.checkpoint_id)
         atexit.register(_wait_at_exit, weakref.ref(self))
 
     # -- sizes ----------------------------------------------------------------------------
@@ -158,6 +168,9 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
             raise ValueError(f"engine.backward expects a scalar loss tensor, got {type(loss).__name__}"
                              f"{'' if not isinstance(loss, torch.Tensor) else ' of shape ' + str(tuple(loss.shape))}")
         self._last_loss = loss.detach()  # read only when reporting: no device sync per micro-batch
+        # read only when a step's gradients are not finite (to tell a NaN loss from a NaN gradient)
+        window_loss = self._last_loss.float()
+        self._window_loss = window_loss if self._window_loss is None else self._window_loss + window_loss
         self.step_events.add_loss(self._last_loss)
         if self._in_no_sync and not self.state.allows_no_sync():
             raise RuntimeError(f"engine.no_sync() is not supported with ZeRO stage {self.state.stage}: gradients "
@@ -188,10 +201,9 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         """Call after every micro-batch; updates the weights at the end of each accumulation window."""
         steps = self.global_steps
         with self.timers.phase("step"), self.flops_profiler.step(steps):
-            applied = self._step()
-        if self.global_steps != steps:  # an optimizer step (applied, or skipped for overflow)
+            self._step()
+        if self.global_steps != steps:  # an optimizer step (applied, or skipped: the progress line goes on)
             self.step_events.after_step(self)
-        if applied:
             self._report()
 
     def _step(self) -> bool:
@@ -215,21 +227,27 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
 
     def _apply_window(self) -> bool:
         """End an accumulation window: unscale, measure, clip and apply its gradients (or skip the step
-        on an fp16 overflow); True when the weights were updated."""
+        when its gradient norm is not finite: see :mod:`zerospeed.precision.nonfinite`); True when the
+        weights were updated."""
         self._step_applied = False
         with self.timers.phase("backward_allreduce"):  # waiting on the window's gradient reduction
             grads = self._window_grads()
         if self.scaler.loss_scale != 1.0:
             grads.div_(self.scaler.loss_scale)
-        # One number answers both questions: the global norm is finite iff no rank has an inf/nan.
+        # One number answers both questions: the global norm is finite iff no rank has an inf/nan (it is
+        # summed over every rank, so every rank takes the same decision without another collective).
         norm = float(self.state.squared_norm(grads).sqrt())
-        overflow = self.policy.check_overflow and not math.isfinite(norm)
+        finite = math.isfinite(norm)
+        overflow = self.policy.check_overflow and not finite
+        scale = self.scaler.loss_scale
         self.scaler.update(overflow)
         self._publish_scale(overflow)
-        if overflow:  # DeepSpeed counts a skipped step as a step (global_steps, global_samples)
+        event = None if finite else self._nonfinite_step(norm, scale, skipped=overflow)
+        if overflow:  # DeepSpeed counts a skipped step as a step (global_steps, global_samples); no LR step
             self.skipped_steps += 1
             self._count_step()
             self._finish_window()
+            self._note_nonfinite(event)
             return False
         self._global_grad_norm = norm
         clip = self.settings.gradient_clipping
@@ -242,11 +260,35 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
             self.lr_scheduler.step()
         self._count_step()
         self._finish_window()
+        self._note_nonfinite(event)  # applied although not finite: the precision's switch is off
         return True
 
     def _count_step(self) -> None:
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
+
+    def _window_loss_value(self) -> float:
+        """This rank's losses of the window, summed (nan or inf when any was; 0.0 when none was seen).
+        Read only for a step whose gradients are not finite: the one device sync is off the hot path."""
+        return 0.0 if self._window_loss is None else float(self._window_loss)
+
+    def _nonfinite_step(self, norm: float, scale: float, *, skipped: bool) -> NonFiniteStep:
+        """The step about to be counted, whose global gradient norm ``norm`` is not finite."""
+        reason = classify(norm, loss=self._window_loss_value(), loss_scaled=self.policy.loss_scaling is not None)
+        return NonFiniteStep(step=self.global_steps + 1, reason=reason, norm=norm, loss_scale=scale,
+                             next_scale=self.scaler.loss_scale, skipped=skipped)
+
+    def _note_nonfinite(self, event: NonFiniteStep | None) -> None:
+        """Count a finished step in the run of non-finite ones and log its line (rate-limited) on global
+        rank 0, and on a rank that saw the non-finite loss itself; raises at
+        ``skipped_steps.raise_after_consecutive`` in a row (on every rank: the decision is agreed)."""
+        if event is None:
+            self.nonfinite.clean_step()
+            return
+        line = self.nonfinite.record(event)
+        rank = self.comm.global_ranks[self.comm.rank]
+        if line is not None and (rank == 0 or event.reason.value.endswith(" loss")):
+            log.warning("%s%s", "" if rank == 0 else f"rank {rank}: ", line)
 
     def _publish_scale(self, overflow: bool = False) -> None:
         """Set ``optimizer.cur_scale`` and ``optimizer.overflow`` (whether the last window's step was
@@ -261,7 +303,9 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         """Set the step counters (a checkpoint load; ``micro_steps`` at the start of a window)."""
         self.global_steps, self.global_samples = global_steps, global_samples
         self.micro_steps, self.skipped_steps = micro_steps, skipped_steps
+        self._skipped_at_print = skipped_steps
         self._window_open = False
+        self._window_loss = None
 
     def load_scaler_state(self, state: dict[str, Any]) -> None:
         """Restore the loss scaler (a checkpoint load) and publish its scale on the optimizer."""
@@ -271,6 +315,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
     def _finish_window(self) -> None:
         self.state.zero()
         self._window_open = False
+        self._window_loss = None
         now = self._comm_counts()
         self._window_sent = {f"{axis}.{op}": n for axis, counts in now.items()
                              for op, n in (counts - self._comm_marks[axis]).sent.items()}
@@ -293,6 +338,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         """Drop accumulated gradients (``step`` already does this at each boundary)."""
         self.state.zero()
         self._window_open = False
+        self._window_loss = None
 
     # -- checkpoints ------------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict | None = None,
@@ -318,9 +364,12 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
     def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn: Any = None, *,
-                        allow_unsafe_pickle: bool = False) -> tuple[str | None, Any]:
+                        allow_unsafe_pickle: bool = False, must_exist: bool | None = None) -> tuple[str | None, Any]:
         """Load a checkpoint written at any world size and ZeRO stage; returns ``(path, client_state)``,
-        or ``(None, None)`` with a warning when ``load_dir`` holds none. ``tag=None`` loads ``latest``.
+        or ``(None, None)`` with a warning saying what ``load_dir`` holds when there is nothing to load
+        (missing, empty, tags but no ``latest``). ``must_exist=True`` (default: the config's
+        ``checkpoint.load_must_exist``) raises ``CheckpointError`` then instead, so a resume cannot
+        silently start over. ``tag=None`` loads ``latest``.
         Training resumes at the start of an accumulation window of this run's configuration. The
         checkpoint's pickled files are read with ``torch.load(weights_only=True)``, so loading runs no
         code from them; a ``client_state`` holding other objects than containers, numbers, strings and
@@ -330,7 +379,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self.wait_for_checkpoint()
         return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                load_lr_scheduler_states, load_module_only, custom_load_fn,
-                               allow_unsafe_pickle=allow_unsafe_pickle)
+                               allow_unsafe_pickle=allow_unsafe_pickle, must_exist=must_exist)
 
     def wait_for_checkpoint(self) -> str | None:
         """Block until an asynchronous save has committed; re-raises its error. Returns its directory."""
@@ -340,8 +389,10 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
     def destroy(self) -> None:
         """Release what the engine holds beyond tensors (as ``DeepSpeedEngine.destroy``): wait for an
         asynchronous save, remove its hooks from the model, stop background threads, delete this
-        run's NVMe swap files and close its monitors. The engine cannot train afterwards."""
+        run's NVMe swap files and close its monitors, and let other jobs save into the folders it saved
+        into. The engine cannot train afterwards."""
         self.wait_for_checkpoint()
+        self.save_locks.release()
         self.state.remove_hooks()
         self.monitor.close()
 
@@ -429,11 +480,15 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         return self.scaler.loss_scale
 
     def _report(self) -> None:
+        """The progress line every ``steps_per_print`` optimizer steps, skipped ones included (a run that
+        skips every step still shows it is alive): loss, lr, loss scale, the skipped steps in total and
+        among the last ``steps_per_print``, samples/s."""
         every = self.settings.steps_per_print
         if not every or self.global_steps % every:
             return
         # on every rank: each starts its next interval
         breakdown = self.timers.report(every, every * self.gradient_accumulation_steps())
+        skipped_lately, self._skipped_at_print = self.skipped_steps - self._skipped_at_print, self.skipped_steps
         if self.comm.rank != 0:
             return
         if breakdown is not None:
@@ -442,9 +497,10 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         now = time.perf_counter()
         rate = every * self.train_batch_size() / max(now - self._tick, 1e-9)
         self._tick = now
-        log.info("step %d  loss %.4f  lr %s  loss scale %g  %.1f samples/s", self.global_steps,
-                 float(self._last_loss) if self._last_loss is not None else float("nan"), ", ".join(f"{lr:.3g}" for lr in self.get_lr()),
-                 self.scaler.loss_scale, rate)
+        log.info("step %d  loss %.4f  lr %s  loss scale %g  skipped %d (%d of the last %d)  %.1f samples/s",
+                 self.global_steps, float(self._last_loss) if self._last_loss is not None else float("nan"),
+                 ", ".join(f"{lr:.3g}" for lr in self.get_lr()), self.scaler.loss_scale, self.skipped_steps,
+                 skipped_lately, every, rate)
 
 
 def _wait_at_exit(ref: "weakref.ref[Engine]") -> None:

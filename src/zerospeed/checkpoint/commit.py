@@ -21,12 +21,14 @@ after :data:`PEER_SILENCE_LIMIT` seconds of silence instead of the whole process
 from __future__ import annotations
 
 import datetime
+import errno
 import io
 import json
 import os
 import shutil
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -35,7 +37,9 @@ import torch
 from zerospeed.checkpoint import layout
 from zerospeed.checkpoint.layout import CheckpointError
 from zerospeed.checkpoint.model_record import merge_records
+from zerospeed.checkpoint.safetensors_io import FileChecksums
 from zerospeed.checkpoint.state_io import RankPayload, StreamedPayload
+from zerospeed.tensor_bytes import format_bytes
 
 _POLL = 0.02  # seconds between store polls; store.wait would hold the store client's lock
 _BEAT = 1.0  # seconds between a saving rank's heartbeats
@@ -160,6 +164,7 @@ class SaveJob:
     save_latest: bool
     lease: layout.DirLease | None = None  # keeps other saves' sweeps out of tmp_dir until done
     tensors_written: bool = field(default=False, init=False)
+    checksums: FileChecksums | None = field(default=None, init=False)  # of the rank file, once written
 
     def run(self) -> str:
         try:
@@ -180,10 +185,15 @@ class SaveJob:
         try:
             self._write_own()
         except BaseException as exc:
-            status = f"rank {self.sync.rank} could not write its files: {type(exc).__name__}: {exc}"
+            # a full or read-only disk: this rank raises the same clear error its peers are told
+            error = self.disk_error(exc)
+            status = str(error) if error is not None else (f"rank {self.sync.rank} could not write its files: "
+                                                           f"{type(exc).__name__}: {exc}")
             self.sync.publish("written", status)
             if self.sync.rank == 0:
                 self.sync.publish("committed", status)
+            if error is not None:
+                raise error from exc
             raise
         self.sync.publish("written", "ok")
         if self.sync.rank == 0:
@@ -193,13 +203,20 @@ class SaveJob:
             raise CheckpointError(f"checkpoint {self.tag!r} was not committed: {outcome}")
         return os.path.join(self.save_dir, self.tag)
 
+    def disk_error(self, exc: BaseException) -> CheckpointError | None:
+        """The :class:`CheckpointError` for ``exc`` when it is the file system refusing this rank's
+        files (full, read-only, not permitted), naming the tag, the directory and the bytes this
+        rank writes; None for any other error."""
+        needed = self.payload.nbytes + len(self.rank_state) + len(self.engine_state or b"")
+        return disk_error(exc, rank=self.sync.rank, tag=self.tag, directory=self.tmp_dir, needed=needed)
+
     def write_tensors(self) -> None:
         """This rank's safetensors file, once: :meth:`run` writes it unless the caller already did (an
         asynchronous save of NVMe-tier state writes it on the training thread, which owns that state)."""
         if not self.tensors_written:
             rank = self.sync.rank
             path = os.path.join(self.tmp_dir, layout.rank_file(rank))
-            self.payload.write(path, {"format": layout.FORMAT, "rank": str(rank)})
+            self.checksums = self.payload.write(path, {"format": layout.FORMAT, "rank": str(rank)})
             self.tensors_written = True
 
     def _write_own(self) -> None:
@@ -207,11 +224,14 @@ class SaveJob:
         name = layout.rank_file(rank)
         path = os.path.join(self.tmp_dir, name)
         self.write_tensors()
-        files = {name: os.path.getsize(path)}
+        assert self.checksums is not None  # set by write_tensors
+        crcs = self.checksums.tensors
+        files: dict[str, dict[str, int]] = {name: {"bytes": os.path.getsize(path),
+                                                   "header_crc32": self.checksums.header}}
         files.update(_write_bytes(os.path.join(self.tmp_dir, layout.rank_state(rank)), self.rank_state))
         if self.engine_state is not None:
             files.update(_write_bytes(os.path.join(self.tmp_dir, layout.ENGINE_STATE), self.engine_state))
-        fragments = [dict(f, file=name) for f in self.payload.fragments]
+        fragments = [dict(f, file=name, crc32=crcs[f["key"]]) for f in self.payload.fragments]
         index = {"files": files, "fragments": fragments, "scalars": self.payload.scalars,
                  "group_params": self.payload.group_params, "model": self.model}
         with open(os.path.join(self.tmp_dir, layout.rank_index(rank)), "w") as f:
@@ -235,7 +255,7 @@ class SaveJob:
                 with open(os.path.join(self.tmp_dir, layout.rank_index(rank))) as f:
                     index = json.load(f)
                 records.append(index["model"])
-                manifest["files"].update({k: {"bytes": v} for k, v in index["files"].items()})
+                manifest["files"].update(index["files"])
                 manifest["fragments"] += index["fragments"]
                 for param, values in index["scalars"].items():
                     scalars.setdefault(param, values)
@@ -248,8 +268,7 @@ class SaveJob:
                 manifest["optimizer"]["scalars"] = scalars
                 for g, group in enumerate(manifest["optimizer"]["param_groups"]):
                     group["params"] = sorted(groups[g]) if g < len(groups) else []
-            layout.write_file_atomic(os.path.join(self.tmp_dir, layout.MANIFEST),
-                                     json.dumps(manifest, indent=1).encode())
+            layout.write_file_atomic(os.path.join(self.tmp_dir, layout.MANIFEST), layout.encode_manifest(manifest))
             layout.fsync_dir(self.tmp_dir)
             final = layout.commit_dir(self.tmp_dir, self.save_dir, self.tag)
             if self.save_latest:
@@ -273,6 +292,42 @@ class SaveJob:
                 pass
 
 
+# What a file system's refusal means for a save, and the fix, by errno.
+_DISK_ERRORS = {
+    errno.ENOSPC: ("the disk is full", "free space there or save to a larger disk (save_checkpoint's save_dir)"),
+    errno.EDQUOT: ("the disk quota is used up", "free space there or save to another disk (save_checkpoint's "
+                                                "save_dir)"),
+    errno.EFBIG: ("the file is larger than the file system allows", "save to another file system"),
+    errno.EROFS: ("the file system is read-only", "save to a writable directory (save_checkpoint's save_dir)"),
+    errno.EACCES: ("this user may not write there", "save to a directory this user can write"),
+    errno.EPERM: ("this user may not write there", "save to a directory this user can write"),
+}
+
+
+def disk_error(exc: BaseException, *, rank: int, tag: str, directory: str,
+               needed: int | None) -> CheckpointError | None:
+    """``exc`` as a save's :class:`CheckpointError` when it is a file system refusal (see
+    :data:`_DISK_ERRORS`): the rank, the tag, the directory, the bytes the rank writes (``needed``,
+    when known) and those free there; None for any other error (raised as it is)."""
+    if not isinstance(exc, OSError) or exc.errno not in _DISK_ERRORS:
+        return None
+    cause, fix = _DISK_ERRORS[exc.errno]
+    room = ""
+    if needed is not None:
+        room = f"; this rank's files need {format_bytes(needed)} ({needed} bytes)"
+        probe = directory
+        while probe and not os.path.isdir(probe) and os.path.dirname(probe) != probe:
+            probe = os.path.dirname(probe)  # the temporary directory may be gone: its file system then
+        try:
+            free = shutil.disk_usage(probe).free
+            room += f", {format_bytes(free)} ({free} bytes) are free there now"
+        except OSError:
+            pass
+    return CheckpointError(f"rank {rank} could not write its files of checkpoint {tag!r} into {directory} "
+                           f"({errno.errorcode[exc.errno]}: {cause}: {exc.strerror or exc}){room}; {fix}. "
+                           f"The checkpoint was not committed ('{layout.LATEST}' is unchanged)")
+
+
 def serialize(obj: Any) -> bytes:
     """``torch.save`` into memory (on the calling thread, so the bytes are a snapshot)."""
     buffer = io.BytesIO()
@@ -280,12 +335,13 @@ def serialize(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
-def _write_bytes(path: str, data: bytes) -> dict[str, int]:
+def _write_bytes(path: str, data: bytes) -> dict[str, dict[str, int]]:
+    """Write and fsync ``path``; its manifest entry (size and CRC-32 of the bytes in memory)."""
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    return {os.path.basename(path): len(data)}
+    return {os.path.basename(path): {"bytes": len(data), "crc32": zlib.crc32(data)}}
 
 
 class BackgroundSave:

@@ -3,7 +3,9 @@
 ``convert_checkpoint`` (the ``zerospeed convert`` command) streams every tensor from the ranks'
 fragments into (sharded) safetensors files a chunk at a time, so its peak memory is a few chunks
 whatever the model size; ``get_fp32_state_dict`` returns the whole dict for the cases that want
-it; ``load_state_dict_from_checkpoint`` reads straight into a model's own tensors.
+it; ``load_state_dict_from_checkpoint`` reads straight into a model's own tensors. Every tensor is
+checked against the checkpoint's CRC-32s as it is read (:class:`CheckpointSet`), so a damaged
+checkpoint is refused, naming the file, the tensor and the tag to use instead, never exported.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from zerospeed.checkpoint.layout import BUFFER, MASTER, CheckpointError, CheckpointMismatchError, fsync_dir, resolve
+from zerospeed.checkpoint.layout import (BUFFER, MASTER, CheckpointError, CheckpointMismatchError, fsync_dir, resolve,
+                                         why_no_checkpoint)
 from zerospeed.checkpoint.reader import CheckpointSet
 from zerospeed.checkpoint.safetensors_io import StreamingWriter
 from zerospeed.checkpoint.topology import checkpoint_topology
@@ -39,8 +42,7 @@ def _open(checkpoint_dir: str, tag: str | None, layout: TPLayout | None = None) 
     come back joined along their split dimension)."""
     resolved, path = resolve(os.fspath(checkpoint_dir), tag)
     if path is None:
-        raise CheckpointError(f"{checkpoint_dir} holds no checkpoint: no 'latest' file, no manifest.json; pass "
-                              f"the directory given to save_checkpoint (or a tag directory inside it)")
+        raise CheckpointError(f"nothing to read: {why_no_checkpoint(os.fspath(checkpoint_dir))}")
     return CheckpointSet(path, layout)
 
 
@@ -276,10 +278,15 @@ def convert_main(argv: list[str]) -> int:
     parser.add_argument("checkpoint_dir", help="the directory given to save_checkpoint, or one tag inside it")
     parser.add_argument("output", help="a directory (sharded files + index), or a file ending in .safetensors")
     parser.add_argument("--tag", default=None, help="which checkpoint (default: the one 'latest' names)")
-    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
-    parser.add_argument("--max_shard_size", default="5GB", help="largest output file, e.g. 5GB or 500MB")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
+                        help="dtype of the floating-point tensors written (default: fp32, the master weights "
+                             "unrounded; integer buffers keep their dtype)")
+    parser.add_argument("--max_shard_size", default="5GB",
+                        help="largest output file, e.g. 5GB or 500MB (default: 5GB)")
     args = parser.parse_args(argv)
     try:
+        if args.tag is None and resolve(args.checkpoint_dir, None)[1] is None:  # say what is there, in --tag terms
+            raise CheckpointError(f"nothing to convert: {why_no_checkpoint(args.checkpoint_dir, pick='--tag {}')}")
         files = convert_checkpoint(args.checkpoint_dir, args.output, tag=args.tag, dtype=args.dtype,
                                    max_shard_size=args.max_shard_size)
     except (CheckpointError, ValueError, OSError) as exc:

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from zerospeed.checkpoint.layout import SaveLocks
 from zerospeed.config import Config
 from zerospeed.data.loader import DistributedLoader
 from zerospeed.distributed.comm import Comm
@@ -34,6 +35,8 @@ class CheckpointedEngine(Protocol):
     state: ModelState
     training_dataloader: DistributedLoader | None
     checkpoint_id: str
+    #: the folders this engine saves into, locked against other jobs (rank 0 of a save acquires)
+    save_locks: SaveLocks
     global_steps: int
     global_samples: int
     micro_steps: int

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Sequence
 import torch
 
 from zerospeed.checkpoint import layout
-from zerospeed.checkpoint.commit import BackgroundSave, RankSync, SaveJob, serialize
+from zerospeed.checkpoint.commit import BackgroundSave, RankSync, SaveJob, disk_error, serialize
 from zerospeed.checkpoint.layout import BUFFER, CheckpointError
 from zerospeed.checkpoint.model_record import model_record
 from zerospeed.checkpoint.reader import CheckpointSet
@@ -90,9 +90,14 @@ def save_checkpoint(engine: CheckpointedEngine, save_dir: str, tag: Any = None, 
         job, asynchronous = _prepare(engine, topo, sync, save_dir, tmp_dir, tag, client_state, save_latest,
                                      exclude_frozen_parameters, async_save)
     except BaseException as exc:  # the peers are past the handshake: tell them, so no one waits it out
-        status = f"rank {comm.rank} could not prepare its part: {type(exc).__name__}: {exc}"
+        # a full or read-only disk (the temporary directory, an NVMe-tier state's file) said as such
+        error = disk_error(exc, rank=comm.rank, tag=tag, directory=save_dir, needed=None)
+        status = (str(error) if error is not None
+                  else f"rank {comm.rank} could not prepare its part: {type(exc).__name__}: {exc}")
         sync.publish("written", status)
         sync.publish("committed" if comm.rank == 0 else "ack", status)
+        if error is not None:
+            raise error from exc
         raise
     if asynchronous:
         return BackgroundSave(job)
@@ -104,6 +109,8 @@ def _prepare(engine: CheckpointedEngine, topo: CheckpointTopology, sync: RankSyn
     """This rank's part of a save, ready to run: its temporary directory (leased), the fragments
     (snapshotted for an asynchronous save), and its serialized small state."""
     comm = topo.comm
+    if comm.rank == 0:  # the committer holds the folder against other jobs from its first save there
+        engine.save_locks.acquire(save_dir)
     os.makedirs(tmp_dir, exist_ok=True)
     lease = layout.DirLease(tmp_dir)
     try:
@@ -139,8 +146,14 @@ def _prepare(engine: CheckpointedEngine, topo: CheckpointTopology, sync: RankSyn
         if asynchronous and not plan.in_memory:
             # swapped state cannot be snapshotted in memory, and only this thread may make it resident:
             # its file is written before returning; the small files and the commit go on in the background
-            with sync.heartbeat():
-                job.write_tensors()
+            try:
+                with sync.heartbeat():
+                    job.write_tensors()
+            except OSError as exc:
+                error = job.disk_error(exc)
+                if error is None:
+                    raise
+                raise error from exc
             log.info("save_checkpoint(async_save=True): rank %d wrote its NVMe-tier state (%d unit group(s), "
                      "%.3g MB) before returning; the rest of checkpoint %r is saved in the background",
                      comm.rank, len(plan.groups), payload.nbytes / 2**20, tag)
@@ -210,8 +223,12 @@ class SmallState(NamedTuple):
 def load_checkpoint(engine: CheckpointedEngine, load_dir: str, tag: Any = None, load_module_strict: bool = True,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     load_module_only: bool = False, custom_load_fn: Any = None, *,
-                    allow_unsafe_pickle: bool = False) -> tuple[str | None, Any]:
-    """Load (and reshard) a checkpoint; every rank calls it. See ``Engine.load_checkpoint``."""
+                    allow_unsafe_pickle: bool = False, must_exist: bool | None = None) -> tuple[str | None, Any]:
+    """Load (and reshard) a checkpoint; every rank calls it. See ``Engine.load_checkpoint``.
+
+    Finding nothing to load returns ``(None, None)`` as DeepSpeed does, with a warning saying what
+    was found (see :func:`layout.why_no_checkpoint`); under ``must_exist`` (default: the config's
+    ``checkpoint.load_must_exist``) it raises instead, so a resume cannot silently start over."""
     if custom_load_fn is not None:
         raise NotImplementedError("load_checkpoint(custom_load_fn=...): zerospeed checkpoints are read by "
                                   "parameter range; load with load_module_only=True, or read weights with "
@@ -226,8 +243,13 @@ def load_checkpoint(engine: CheckpointedEngine, load_dir: str, tag: Any = None, 
                               f"{'; '.join(f'rank {r}: {t!r} at {p}' for r, (t, p) in enumerate(seen))}; "
                               f"pass the same load_dir and tag everywhere")
     if path is None:
-        warnings.warn(f"load_checkpoint: {load_dir} holds no checkpoint (no '{layout.LATEST}' file and no tag "
-                      f"given); nothing was loaded", stacklevel=3)
+        found = layout.why_no_checkpoint(load_dir)
+        if engine.config.checkpoint.load_must_exist if must_exist is None else must_exist:
+            how = "must_exist=True" if must_exist else "checkpoint.load_must_exist is true"
+            raise CheckpointError(f"load_checkpoint: {found}; nothing was loaded and, as {how}, the run stops "
+                                  f"here rather than training from scratch")
+        warnings.warn(f"load_checkpoint: {found}; nothing was loaded, so training starts from scratch (pass "
+                      f"must_exist=True or set checkpoint.load_must_exist to raise instead)", stacklevel=3)
         return None, None
     with_optimizer = load_optimizer_states and not load_module_only
     names = _model_names(engine, topo)
@@ -251,6 +273,11 @@ def load_checkpoint(engine: CheckpointedEngine, load_dir: str, tag: Any = None, 
         global_steps=int(counters["global_steps"]), global_samples=int(counters["global_samples"]),
         micro_steps=resumed_micro_steps(counters, manifest["config"], engine.gradient_accumulation_steps()),
         skipped_steps=int(counters["skipped_steps"]))
+    change = batch_change(manifest, engine.comm.world_size, engine.train_micro_batch_size_per_gpu(),
+                          engine.gradient_accumulation_steps())
+    if change is not None and topo.comm.rank == 0:
+        kept, message = change
+        log.log(logging.INFO if kept else logging.WARNING, "load_checkpoint: %s: %s", path, message)
     scheduler_state = small.engine.get("lr_scheduler")
     if load_lr_scheduler_states and scheduler_state is not None and hasattr(engine.lr_scheduler, "load_state_dict"):
         engine.lr_scheduler.load_state_dict(scheduler_state)
@@ -258,6 +285,35 @@ def load_checkpoint(engine: CheckpointedEngine, load_dir: str, tag: Any = None, 
         set_rng_state(small.rank["rng"])
     _restore_loader(engine, manifest, small.rank)
     return path, small.engine.get("client_state")
+
+
+def batch_change(manifest: dict[str, Any], dp: int, micro: int, accumulation: int) -> tuple[bool, str] | None:
+    """``(kept, line)`` when the checkpoint was saved at another data-parallel size than ``dp``: the
+    saved and current micro batch, accumulation and global batch, and whether the global batch (the
+    samples per optimizer step) was kept; None at the same size. A resume at another world size may
+    change the batch the optimizer steps on, which nothing else would tell."""
+    saved_dp = int(manifest["world_size"])
+    if saved_dp == dp:
+        return None
+    config = manifest.get("config") or {}
+    saved_micro = int(manifest.get("micro_batch_size") or config.get("train_micro_batch_size_per_gpu") or 1)
+    saved_acc = int(manifest["counters"].get("gradient_accumulation_steps")
+                    or config.get("gradient_accumulation_steps") or 1)
+    before, now = saved_micro * saved_acc * saved_dp, micro * accumulation * dp
+    line = (f"saved at data-parallel size {saved_dp} (global batch {before} = micro batch {saved_micro} x "
+            f"accumulation {saved_acc} x {saved_dp} rank(s)), resumed at data-parallel size {dp} (global batch "
+            f"{now} = micro batch {micro} x accumulation {accumulation} x {dp} rank(s)): ")
+    if before == now:
+        return True, line + (f"the global batch is kept (gradient accumulation {saved_acc} -> {accumulation}"
+                             + (f", micro batch {saved_micro} -> {micro}" if saved_micro != micro else "") + ")")
+    if before % (micro * dp) == 0:
+        keep = (f"to keep it, set gradient_accumulation_steps to {before // (micro * dp)} (or train_batch_size to "
+                f"{before})")
+    else:
+        keep = (f"it cannot be kept at micro batch {micro} x {dp} rank(s) ({before} is not a multiple of "
+                f"{micro * dp}); change train_micro_batch_size_per_gpu to keep it")
+    return False, line + (f"the global batch changed from {before} to {now} samples per optimizer step (the step "
+                          f"count and learning-rate schedule go on from the checkpoint's); {keep}")
 
 
 def resumed_micro_steps(counters: dict[str, Any], saved_config: dict[str, Any], accumulation: int) -> int:
@@ -356,8 +412,8 @@ def _load_common(engine: CheckpointedEngine, topo: CheckpointTopology, ckpt: Che
     # before anything changes: a refused file leaves the engine as it was
     rank_path = os.path.join(ckpt.path, layout.rank_state(topo.comm.rank))
     small = SmallState(
-        load_small_state(os.path.join(ckpt.path, layout.ENGINE_STATE), allow_unsafe_pickle=allow_unsafe_pickle) or {},
-        load_small_state(rank_path, allow_unsafe_pickle=allow_unsafe_pickle)
+        load_small_state(ckpt.checked_file(layout.ENGINE_STATE), allow_unsafe_pickle=allow_unsafe_pickle) or {},
+        load_small_state(ckpt.checked_file(os.path.basename(rank_path)), allow_unsafe_pickle=allow_unsafe_pickle)
         if _same_data_layout(engine, topo, manifest) else None)
     saved_buffers = {b["name"] for b in manifest.get("buffers", [])}
     with torch.no_grad():
@@ -458,7 +514,7 @@ def _restore_rank_local(optimizer: RankLocalState, topo: CheckpointTopology, ckp
     """Hand the optimizer the saved ranks' own states: it reads only this rank's at the same world size
     and every saved rank's (to reshape them) at another."""
     def read(rank: int) -> dict[str, Any]:
-        state = load_small_state(os.path.join(ckpt.path, layout.rank_state(rank)),
+        state = load_small_state(ckpt.checked_file(layout.rank_state(rank)),
                                  allow_unsafe_pickle=allow_unsafe_pickle) or {}
         return state.get("optimizer") or {}
 

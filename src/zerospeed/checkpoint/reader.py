@@ -8,18 +8,25 @@ consolidation holds one chunk at a time.
 A checkpoint is read as seen by a model of a given tensor-parallel layout (``layout``; default:
 an unsplit model): ``params`` give the shapes that model holds, and ``read_range`` ranges of its
 slices, mapped onto the stored parts by :mod:`~zerospeed.checkpoint.tp_reshard`.
+
+Every byte handed out is checked against the manifest's CRC-32s first (checkpoints whose manifest
+names a ``checksum``): a safetensors header when its file is opened, a stored tensor when it is
+first read (over the bytes read, when the read takes it whole; otherwise the whole stored tensor is
+checked before the part is read, whose pages that leaves in the page cache), the pickled files in
+:meth:`CheckpointSet.checked_file`. A mismatch raises :func:`~zerospeed.checkpoint.layout.damaged`.
 """
 
 from __future__ import annotations
 
 import bisect
 import os
+import zlib
 from collections import defaultdict
 from typing import Any
 
 import torch
 
-from zerospeed.checkpoint.layout import CheckpointError, read_manifest
+from zerospeed.checkpoint.layout import MANIFEST, CheckpointError, check_crc, damaged, read_manifest
 from zerospeed.checkpoint.safetensors_io import SafetensorsReader
 from zerospeed.checkpoint.tp_reshard import (ReadSplit, StoredTP, local_shape, part_name, plan_reads, reading_split,
                                              run_reads)
@@ -52,6 +59,13 @@ class CheckpointSet:
             index[(frag["kind"], frag["param"])].append((frag["start"], frag["end"], frag["file"], frag["key"]))
         self._index = {key: sorted(frags) for key, frags in index.items()}
         self._starts = {key: [f[0] for f in frags] for key, frags in self._index.items()}
+        # (file, stored tensor) -> its CRC-32 (None if missing: refused when read); None for the manifest of a
+        # release that recorded none
+        self.checked = "checksum" in self.manifest
+        self._crcs: dict[tuple[str, str], int | None] | None = (
+            {(frag["file"], frag["key"]): frag.get("crc32") for frag in self.manifest["fragments"]}
+            if self.checked else None)
+        self._verified: set[tuple[str, str]] = set()
         self._readers: dict[str, SafetensorsReader] = {}
         self._aliases: dict[str, str] = dict(self.manifest.get("aliases", {}))
 
@@ -127,7 +141,7 @@ class CheckpointSet:
             a, b = max(lo, start), min(hi, end)
             if a >= b:
                 continue
-            self._reader(file).read_into(key, target[a - start: b - start], start=a - lo)
+            self._read_fragment(file, key, target[a - start: b - start], a - lo, whole=a == lo and b == hi)
             covered += b - a
         if covered != end - start:
             raise CheckpointError(f"{self.path}: the saved {kind!r} fragments of {param!r} cover {covered} of the "
@@ -142,13 +156,62 @@ class CheckpointSet:
         self.read_range(kind, param, 0, out.numel(), out)
         return out
 
+    def _read_fragment(self, file: str, key: str, out: torch.Tensor, offset: int, *, whole: bool) -> None:
+        """Elements ``[offset, offset + out.numel())`` of stored tensor ``key``, checked against its CRC-32
+        the first time it is read: in the same pass when ``whole``, else by reading it all first."""
+        reader = self._reader(file)
+        if self._crcs is None or (file, key) in self._verified:
+            reader.read_into(key, out, start=offset)
+            return
+        what = f"tensor {key!r} in {os.path.join(self.path, file)}"
+        expected = self._crcs.get((file, key))
+        if expected is None:
+            raise damaged(self.path, f"{what} has no checksum in {os.path.join(self.path, MANIFEST)}")
+        if whole:
+            actual = reader.read_into(key, out, crc=0)
+        else:
+            actual = reader.checksum(key)
+        check_crc(self.path, what, expected, actual if actual is not None else -1)
+        self._verified.add((file, key))
+        if not whole:
+            reader.read_into(key, out, start=offset)
+
+    def checked_file(self, name: str) -> str:
+        """The path of the tag's file ``name`` (``engine_state.pt``, ``rank<N>.state.pt``) once its bytes
+        match the manifest's CRC-32 (checkpoints without checksums: unchecked)."""
+        path = os.path.join(self.path, name)
+        if not self.checked:
+            return path
+        info = self.manifest["files"].get(name)
+        if info is None or "crc32" not in info:
+            raise damaged(self.path, f"{path} has no checksum in {os.path.join(self.path, MANIFEST)}")
+        crc = 0
+        try:
+            with open(path, "rb", buffering=0) as f:
+                while chunk := f.read(16 << 20):
+                    crc = zlib.crc32(chunk, crc)
+        except OSError as exc:
+            raise CheckpointError(f"cannot read {path}: {exc}") from None
+        check_crc(self.path, path, info["crc32"], crc)
+        return path
+
     def _reader(self, file: str) -> SafetensorsReader:
         reader = self._readers.get(file)
         if reader is None:
+            path = os.path.join(self.path, file)
             try:
-                reader = SafetensorsReader(os.path.join(self.path, file))
-            except (OSError, ValueError) as exc:
-                raise CheckpointError(f"cannot read {os.path.join(self.path, file)}: {exc}") from None
+                reader = SafetensorsReader(path)
+            except ValueError as exc:  # present with its recorded size (read_manifest), but not readable
+                raise damaged(self.path, str(exc)) from None
+            except OSError as exc:
+                raise CheckpointError(f"cannot read {path}: {exc}") from None
+            if self.checked:
+                try:
+                    check_crc(self.path, f"the header of {path}",
+                              self.manifest["files"].get(file, {}).get("header_crc32"), reader.header_crc32)
+                except CheckpointError:
+                    reader.close()
+                    raise
             self._readers[file] = reader
         return reader
 

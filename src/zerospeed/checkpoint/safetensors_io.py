@@ -13,6 +13,14 @@ and drops it from the page cache. The disk then works while later bytes are stil
 instead of everything waiting for one ``fsync`` at the end (a plain write + fsync runs the two in
 series: about half the bandwidth on this machine's disk), the dirty memory of a save stays bounded,
 and a checkpoint does not push the training's useful pages out of the page cache.
+
+Integrity: a writer asked for ``checksums`` keeps a CRC-32 (``zlib.crc32``) of every tensor's bytes
+and of the header, computed on the bytes as they are handed to the kernel (no second pass over the
+data, no read back); a reader computes the same over the bytes it ``pread``s (:meth:`read_into`'s
+``crc``), so a checkpoint can be checked against its manifest while it is loaded. The CRC of each
+piece runs on a helper thread while the caller's thread writes or reads the next (:class:`_Crcs`;
+``zlib.crc32`` releases the GIL), so it adds little as long as it is faster than the disk and a
+core is free for it (:data:`CRC_THREAD`).
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ import functools
 import json
 import math
 import os
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
@@ -40,6 +50,10 @@ CHUNK_BYTES = 32 * 1024 * 1024  # reads that cast go through a buffer of at most
 WRITE_PIECE = 32 * 1024 * 1024  # write-behind: start writing back every this many bytes ...
 WRITE_WINDOW = 4  # ... and wait for (then drop from the page cache) the piece this many pieces back
 _SYNC_FILE_RANGE_WAIT_BEFORE, _SYNC_FILE_RANGE_WRITE, _SYNC_FILE_RANGE_WAIT_AFTER = 1, 2, 4
+OVERLAP_BYTES = 1024 * 1024  # a CRC-32 update of at least this many bytes runs beside the I/O ...
+# ... when the process has a core to spare for it: with 2 usable CPUs or fewer the helper thread only competes
+# with the I/O (measured on a loaded 2-core machine, a 1 GB write-behind: +30% time threaded, +21% inline)
+CRC_THREAD = len(os.sched_getaffinity(0)) > 2 if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1) > 2
 
 
 @functools.lru_cache(maxsize=1)
@@ -67,6 +81,51 @@ class TensorEntry:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+
+class _Crcs:
+    """Running CRC-32s (one per tensor), updated in order on one helper thread while the caller's
+    thread does the I/O of the next piece. Updates smaller than :data:`OVERLAP_BYTES` run inline
+    (after the queued ones); :meth:`wait` must return before the caller reuses the bytes it handed in."""
+
+    def __init__(self, values: list[int]):
+        self.values = values
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: Future[None] | None = None
+
+    def update(self, index: int, data: memoryview) -> None:
+        if data.nbytes < OVERLAP_BYTES or not CRC_THREAD:
+            self.wait()
+            self._update(index, data)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="zerospeed-crc32")
+        self._pending = self._pool.submit(self._update, index, data)  # one worker: runs in order
+
+    def _update(self, index: int, data: memoryview) -> None:
+        self.values[index] = zlib.crc32(data, self.values[index])
+
+    def wait(self) -> None:
+        if self._pending is not None:  # the last queued update; the single worker ran the others before it
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+
+
+@dataclass(frozen=True)
+class FileChecksums:
+    """What a checkpoint's manifest records of a written safetensors file: the CRC-32 of its header
+    and of each tensor's bytes by name."""
+
+    header: int
+    tensors: dict[str, int]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -99,13 +158,18 @@ class StreamingWriter:
     """Writes the tensors announced up front, in order, from any number of chunks each.
 
     ``write(chunk)`` appends raw elements of the current tensor; :meth:`close` checks every byte
-    was written and (by default) fsyncs, so a file that closed cleanly is complete on disk.
+    was written and (by default) fsyncs, so a file that closed cleanly is complete on disk. With
+    ``checksums`` it also keeps the CRC-32 of the header (:attr:`header_crc32`) and of every tensor
+    (:attr:`checksums`), over the very bytes it writes.
     """
 
     def __init__(self, path: str | os.PathLike, entries: Iterable[tuple[str, torch.dtype, tuple[int, ...]]],
-                 metadata: Mapping[str, str] | None = None):
+                 metadata: Mapping[str, str] | None = None, *, checksums: bool = False):
         self.path = os.fspath(path)
         header, self.entries = build_header(entries, metadata)
+        self.header_crc32: int | None = zlib.crc32(header) if checksums else None
+        self._crcs: _Crcs | None = _Crcs([0] * len(self.entries)) if checksums else None  # crc32(b"") == 0
+        self._entry = 0  # index of the tensor being written
         self._file = open(self.path, "wb", buffering=0)
         self._sync_range = _sync_file_range()
         self._kicked = 0  # file offset up to which write-back was started
@@ -130,23 +194,43 @@ class StreamingWriter:
         if self._written + raw.nbytes > expected.end:
             raise ValueError(f"{self.path}: tensor {expected.name!r} overflows its "
                              f"{expected.end - expected.begin} bytes")
-        self._write_all(raw)
+        try:
+            self._write_all(raw, self._entry)
+        finally:
+            if self._crcs is not None:
+                self._crcs.wait()  # the caller may reuse ``chunk`` once this returns
         self._written += raw.nbytes
 
-    def _current_entry(self) -> TensorEntry:
-        for entry in self.entries:
-            if self._written < entry.end:
-                return entry
-        raise ValueError(f"{self.path}: every announced tensor is already written")
+    @property
+    def checksums(self) -> FileChecksums:
+        """The CRC-32s of the header and of each tensor's bytes (complete once every tensor is written)."""
+        if self._crcs is None or self.header_crc32 is None:
+            raise ValueError(f"{self.path}: this StreamingWriter was made without checksums=True")
+        self._crcs.wait()
+        return FileChecksums(self.header_crc32,
+                             {entry.name: crc for entry, crc in zip(self.entries, self._crcs.values, strict=True)})
 
-    def _write_all(self, view: memoryview) -> None:
+    def _current_entry(self) -> TensorEntry:
+        while self._entry < len(self.entries) and self._written >= self.entries[self._entry].end:
+            self._entry += 1  # finished (or empty) tensors
+        if self._entry == len(self.entries):
+            raise ValueError(f"{self.path}: every announced tensor is already written")
+        return self.entries[self._entry]
+
+    def _write_all(self, view: memoryview, entry: int | None = None) -> None:
+        """Write ``view`` in pieces; with ``entry``, each piece's CRC-32 is added to that tensor's on the
+        helper thread while the piece is written."""
         view = view.cast("B")
         while view.nbytes:
-            n = self._file.write(view[:WRITE_PIECE])
-            view = view[n:]
-            self.bytes_written += n
-            if self.bytes_written - self._kicked >= WRITE_PIECE:
-                self._write_behind()
+            piece, view = view[:WRITE_PIECE], view[WRITE_PIECE:]
+            if entry is not None and self._crcs is not None:
+                self._crcs.update(entry, piece)
+            while piece.nbytes:  # all of it, even after a short write
+                n = self._file.write(piece)
+                piece = piece[n:]
+                self.bytes_written += n
+                if self.bytes_written - self._kicked >= WRITE_PIECE:
+                    self._write_behind()
 
     def _write_behind(self) -> None:
         """Start writing back what was written since the last call; wait for and drop old pieces."""
@@ -176,10 +260,14 @@ class StreamingWriter:
                 os.fsync(self._file.fileno())
         finally:
             self._file.close()
+            if self._crcs is not None:
+                self._crcs.close()
 
     def abort(self) -> None:
         """Close without the completeness check (the caller discards the file)."""
         self._file.close()
+        if self._crcs is not None:
+            self._crcs.close()
 
     def __enter__(self) -> "StreamingWriter":
         return self
@@ -205,11 +293,13 @@ class SafetensorsReader:
             length = int.from_bytes(head, "little")
             if length > size - 8:
                 raise ValueError(f"header length {length} exceeds the file size {size}")
-            header = json.loads(os.pread(self._fd, length, 8))
+            encoded = os.pread(self._fd, length, 8)
+            header = json.loads(encoded)
         except (ValueError, OSError) as exc:
             os.close(self._fd)
             raise ValueError(f"{self.path} is not a readable safetensors file: {exc}") from None
         self._data_start = 8 + length
+        self.header_crc32 = zlib.crc32(encoded, zlib.crc32(head))  # as StreamingWriter's, over the same bytes
         self.metadata: dict[str, str] = header.pop("__metadata__", {}) or {}
         self.entries: dict[str, TensorEntry] = {}
         for name, info in header.items():
@@ -221,9 +311,11 @@ class SafetensorsReader:
             raise ValueError(f"{self.path} is truncated: its header needs {self._data_start + data_end} bytes, "
                              f"the file has {size}")
 
-    def read_into(self, name: str, out: torch.Tensor, start: int = 0) -> None:
+    def read_into(self, name: str, out: torch.Tensor, start: int = 0, crc: int | None = None) -> int | None:
         """Fill ``out`` (contiguous, CPU) with elements ``[start, start + out.numel())`` of tensor
-        ``name`` flattened, casting to ``out.dtype`` when the stored dtype differs."""
+        ``name`` flattened, casting to ``out.dtype`` when the stored dtype differs. Given ``crc``,
+        returns it continued over the stored bytes just read (``zlib.crc32(data, crc)``: pass 0 at
+        the tensor's first byte), so a caller checks a tensor read in order without reading it twice."""
         entry = self.entries[name]
         if start < 0 or start + out.numel() > entry.numel:
             raise IndexError(f"{self.path}: elements [{start}, {start + out.numel()}) are outside "
@@ -232,14 +324,48 @@ class SafetensorsReader:
         itemsize = torch.empty(0, dtype=entry.dtype).element_size()
         offset = self._data_start + entry.begin + start * itemsize
         if entry.dtype == out.dtype:
-            self._pread_into(tensor_bytes(flat), offset)
-            return
+            raw = tensor_bytes(flat)
+            if crc is None:
+                self._pread_into(raw, offset)
+                return None
+            crcs = _Crcs([crc])
+            size = max(OVERLAP_BYTES, min(CHUNK_BYTES, raw.nbytes // 4))  # a few pieces, to overlap
+            try:  # each piece's CRC on the helper thread while the next is read
+                for lo in range(0, raw.nbytes, size):
+                    piece = raw[lo: lo + size]
+                    self._pread_into(piece, offset + lo)
+                    crcs.update(0, piece)
+            finally:
+                crcs.close()
+            return crcs.values[0]
         step = max(CHUNK_BYTES // itemsize, 1)
         buffer = torch.empty(min(step, flat.numel()), dtype=entry.dtype)
-        for lo in range(0, flat.numel(), step):
-            part = buffer[: min(step, flat.numel() - lo)]
-            self._pread_into(tensor_bytes(part), offset + lo * itemsize)
-            flat[lo: lo + part.numel()].copy_(part)
+        cast_crcs = None if crc is None else _Crcs([crc])
+        try:
+            for lo in range(0, flat.numel(), step):
+                part = buffer[: min(step, flat.numel() - lo)]
+                raw = tensor_bytes(part)
+                if cast_crcs is not None:
+                    cast_crcs.wait()  # the buffer is read again: the last piece's CRC must be done
+                self._pread_into(raw, offset + lo * itemsize)
+                if cast_crcs is not None:
+                    cast_crcs.update(0, raw)  # beside the cast copy, which only reads the buffer too
+                flat[lo: lo + part.numel()].copy_(part)
+        finally:
+            if cast_crcs is not None:
+                cast_crcs.close()
+        return None if cast_crcs is None else cast_crcs.values[0]
+
+    def checksum(self, name: str) -> int:
+        """The CRC-32 of tensor ``name``'s stored bytes, read through a buffer of at most ``CHUNK_BYTES``."""
+        entry = self.entries[name]
+        buffer = torch.empty(min(entry.end - entry.begin, CHUNK_BYTES), dtype=torch.uint8)
+        crc = 0
+        for lo in range(entry.begin, entry.end, CHUNK_BYTES):
+            raw = tensor_bytes(buffer[: min(CHUNK_BYTES, entry.end - lo)])
+            self._pread_into(raw, self._data_start + lo)
+            crc = zlib.crc32(raw, crc)
+        return crc
 
     def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         entry = self.entries[name]

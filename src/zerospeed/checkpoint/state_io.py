@@ -17,7 +17,7 @@ import torch
 
 from zerospeed.checkpoint.layout import BUFFER, MASTER, OPTIM_PREFIX, CheckpointError, tensor_key
 from zerospeed.checkpoint.reader import CheckpointSet
-from zerospeed.checkpoint.safetensors_io import StreamingWriter
+from zerospeed.checkpoint.safetensors_io import FileChecksums, StreamingWriter
 from zerospeed.sharding.slots import Slot
 
 SCALAR_KEYS = frozenset({"step"})  # per-parameter counters, never per element
@@ -72,12 +72,13 @@ class RankPayload:
                 self.group_params.append([])
             self.group_params[g] += names
 
-    def write(self, path: str, metadata: Mapping[str, str]) -> None:
-        """The tensors as one safetensors file, in order."""
+    def write(self, path: str, metadata: Mapping[str, str]) -> FileChecksums:
+        """The tensors as one safetensors file, in order; returns the CRC-32s the manifest records."""
         entries = [(key, t.dtype, (t.numel(),)) for key, t in self.tensors]
-        with StreamingWriter(path, entries, metadata) as writer:
+        with StreamingWriter(path, entries, metadata, checksums=True) as writer:
             for _, tensor in self.tensors:
                 writer.write(tensor)
+        return writer.checksums
 
 
 @contextlib.contextmanager
@@ -117,10 +118,11 @@ class StreamedPayload:
     def nbytes(self) -> int:
         return sum(n[0] * torch.empty(0, dtype=dtype).element_size() for _, dtype, n in self._entries)
 
-    def write(self, path: str, metadata: Mapping[str, str]) -> None:
-        """Write the file, visiting the parts again (one in memory at a time)."""
+    def write(self, path: str, metadata: Mapping[str, str]) -> FileChecksums:
+        """Write the file, visiting the parts again (one in memory at a time); returns its CRC-32s."""
         position = 0
-        with StreamingWriter(path, self._entries, metadata) as writer, _visiting(self._parts) as visit:
+        with StreamingWriter(path, self._entries, metadata, checksums=True) as writer, \
+                _visiting(self._parts) as visit:
             for part in visit:
                 for key, tensor in part.tensors:
                     got = (key, tensor.dtype, (tensor.numel(),))
@@ -131,6 +133,7 @@ class StreamedPayload:
                                               f"model or optimizer while save_checkpoint runs")
                     writer.write(tensor)
                     position += 1
+        return writer.checksums
 
 
 def collect(slots: Sequence[Slot], optimizer: torch.optim.Optimizer | None, *, with_optimizer: bool) -> RankPayload:

@@ -149,7 +149,10 @@ class CheckpointWriterConfig(Section):
 
 
 class CheckpointConfig(Section):
-    """``checkpoint``: tag validation, universal checkpoints, storage options."""
+    """``checkpoint``: tag validation, universal checkpoints, storage options. DeepSpeed's keys, plus
+    zerospeed's ``load_must_exist``: a ``load_checkpoint`` that finds no checkpoint raises instead of
+    returning ``(None, None)`` with a warning (default false, DeepSpeed's behaviour; the call's
+    ``must_exist=`` overrides it), so a resume from a mistyped or empty folder cannot start over."""
 
     tag_validation: Annotated[str, zchoice({"WARN": "WARN", "IGNORE": "IGNORE", "FAIL": "FAIL"},
                                            ("Warn", "Ignore", "Fail"), case="upper")] = "WARN"
@@ -158,6 +161,7 @@ class CheckpointConfig(Section):
     parallel_write: ParallelWriteConfig = Field(default_factory=ParallelWriteConfig)
     checkpoint_serialization: Annotated[bool, zbool()] = True
     writer: CheckpointWriterConfig | None = None
+    load_must_exist: Annotated[bool, zbool()] = False
 
 
 class ProgressiveLayerDropConfig(Section):

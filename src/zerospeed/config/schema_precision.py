@@ -50,6 +50,18 @@ class BF16Config(Section):
     bf16_optimizer_states: Annotated[bool, zbool()] = False
 
 
+class SkippedStepsConfig(Section):
+    """``skipped_steps`` (zerospeed's own section; DeepSpeed has none): steps whose global gradient norm
+    is not finite (see ``docs/mixed_precision.md``).
+
+    ``check_fp32``: in fp32, skip such a step as fp16 and bf16 do (DeepSpeed applies it; bf16 has its own
+    switch, ``bf16.check_grad_overflow``, and fp16 always skips). ``raise_after_consecutive``: raise
+    instead of skipping once this many steps in a row had a non-finite gradient norm (0: never raise)."""
+
+    check_fp32: Annotated[bool, zbool()] = True
+    raise_after_consecutive: Annotated[int, zint(ge=0)] = 0
+
+
 class AmpConfig(LooseSection):
     """``amp``: NVIDIA Apex AMP; keys besides ``enabled`` go to ``amp.initialize`` verbatim."""
 

@@ -48,6 +48,7 @@ from .schema_precision import (
     BF16Config,
     DataTypesConfig,
     FP16Config,
+    SkippedStepsConfig,
     TorchAutocastConfig,
 )
 from .schema_zero import AioConfig, ZeroConfig
@@ -130,6 +131,8 @@ class ConfigSections(Section):
     amp: AmpConfig = Field(default_factory=AmpConfig)
     torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
     data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
+    #: zerospeed's own: non-finite gradient norms (fp32 skipping, raising after K in a row)
+    skipped_steps: SkippedStepsConfig = Field(default_factory=SkippedStepsConfig)
 
     # -- communication --------------------------------------------------------------------
     communication_data_type: Annotated[DType | None, zdtype(nullable=True)] = None

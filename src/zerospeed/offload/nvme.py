@@ -32,8 +32,7 @@ import torch
 
 from zerospeed.offload.aio_file import io_memory
 from zerospeed.lifecycle import Transitions
-
-GIB = 1 << 30
+from zerospeed.tensor_bytes import format_bytes
 
 
 class NvmeSpaceError(OSError):
@@ -41,13 +40,18 @@ class NvmeSpaceError(OSError):
 
 
 class RunDirectory:
-    """This rank's directory of swap files for one run (removed by :meth:`close` or at garbage collection)."""
+    """This rank's directory of swap files for one run (removed by :meth:`close` or at garbage collection).
 
-    def __init__(self, root: str | os.PathLike[str], run_id: str, rank: int):
+    ``key`` is the config key that set ``root`` (e.g. ``zero_optimization.offload_optimizer.nvme_path``):
+    every error about the directory names it, the path and the fix, since the raw ``OSError`` of a
+    read-only or full file system names neither."""
+
+    def __init__(self, root: str | os.PathLike[str], run_id: str, rank: int, *, key: str = "nvme_path"):
         base = Path(root)
+        self.key = key
         if not base.is_dir():
-            raise FileNotFoundError(errno.ENOENT, f"nvme_path {str(base)!r} does not exist or is not a directory; "
-                                                  f"create it or point nvme_path at a mounted NVMe directory",
+            raise FileNotFoundError(errno.ENOENT, f"{key} {str(base)!r} does not exist or is not a directory; "
+                                                  f"create it or point {key} at a mounted NVMe directory",
                                     str(base))
         self.path = base / f"zerospeed-{run_id}" / f"rank{rank}"
         try:
@@ -56,13 +60,21 @@ class RunDirectory:
             raise FileExistsError(errno.EEXIST, f"{self.path} already exists: another process of this run uses it; "
                                                 f"each run and rank needs its own swap directory",
                                   str(self.path)) from None
-        except PermissionError as exc:
-            raise PermissionError(errno.EACCES, f"nvme_path {str(base)!r} is not writable ({exc.strerror}); "
-                                                f"choose a directory this user can write", str(base)) from None
+        except OSError as exc:
+            raise unusable_path(key, base, self.path, exc) from None
         self._finalizer = weakref.finalize(self, _remove_run_dir, self.path)
 
     def file(self, name: str) -> Path:
         return self.path / name
+
+    def explain(self, exc: OSError) -> OSError:
+        """``exc`` (a swap file's write failed) with the config key, the path and the fix when the file
+        system refused it (read-only, full, not permitted); other errors as they are."""
+        if exc.errno not in _UNUSABLE:
+            return exc
+        cause, fix = _UNUSABLE[exc.errno]
+        return OSError(exc.errno, f"{exc.strerror or exc}; this run's swap files are under {self.key} "
+                                  f"{str(self.path.parent.parent)!r}: {cause}; {fix.format(key=self.key)}")
 
     def check_room(self, nbytes: int, what: str) -> None:
         """Raise :class:`NvmeSpaceError` unless the file system has ``nbytes`` free (beyond what this
@@ -70,12 +82,35 @@ class RunDirectory:
         held = sum(f.stat().st_size for f in self.path.iterdir() if f.is_file())
         free = shutil.disk_usage(self.path).free + held
         if nbytes > free:
-            raise NvmeSpaceError(errno.ENOSPC, f"{what} needs {nbytes / GIB:.2f} GiB under {self.path.parent.parent} "
-                                               f"but only {free / GIB:.2f} GiB are free; free space there or point "
-                                               f"nvme_path at a larger disk")
+            raise NvmeSpaceError(errno.ENOSPC, f"{what} needs {format_bytes(nbytes)} ({nbytes} bytes) under "
+                                               f"{self.path.parent.parent} but only {format_bytes(free)} are free "
+                                               f"({free} bytes); free space there or point {self.key} at a "
+                                               f"larger disk")
 
     def close(self) -> None:
         self._finalizer()
+
+
+# Why the file system refused a run directory or a swap file under an NVMe path, and the fix, by errno.
+_UNUSABLE = {
+    errno.EROFS: ("the file system is mounted read-only", "point {key} at a writable NVMe directory (or remount it "
+                                                          "read-write)"),
+    errno.EACCES: ("this user may not write there", "choose a directory this user can write"),
+    errno.EPERM: ("this user may not write there", "choose a directory this user can write"),
+    errno.ENOSPC: ("the disk is full", "free space there or point {key} at a larger disk"),
+    errno.EDQUOT: ("this user's disk quota is used up", "free space there or point {key} at another disk"),
+}
+
+
+def unusable_path(key: str, root: Path, path: Path, exc: OSError) -> OSError:
+    """The error for an NVMe path where this run's directory ``path`` cannot be made: ``key`` (the
+    config key), the path, the cause and the fix. The same ``OSError`` subclass as ``exc`` (the errno
+    picks it: ``PermissionError`` for EACCES...), so callers catching those still do."""
+    code = exc.errno if exc.errno is not None else 0
+    cause, fix = _UNUSABLE.get(code, (exc.strerror or str(exc), "point {key} at a writable local directory"))
+    name = errno.errorcode.get(code, str(code))
+    return OSError(code, f"{key} {str(root)!r} cannot hold this run's swap files: creating {str(path)!r} failed "
+                         f"with {name} ({cause}); {fix.format(key=key)}")
 
 
 def _remove_run_dir(path: Path) -> None:
@@ -324,7 +359,10 @@ class SwappedSlabs:
     def _start_write(self, i: int) -> IOWait:
         _SLAB.check(f"{self.name} {i}: a slab", self.states[i], SlabState.WRITING)  # before any byte reaches the file
         head = self.slabs[i][: self.kept[i] // itemsize(self.dtypes[i])]
-        request = self.aio.submit_pwrite(head, str(self.paths[i]), 0)
+        try:
+            request = self.aio.submit_pwrite(head, str(self.paths[i]), 0)
+        except OSError as exc:  # the file cannot be opened for writing: a read-only or full file system
+            raise self.directory.explain(exc) from exc
         self.states[i] = SlabState.WRITING
         self.bytes_written += self.kept[i]
         return request
@@ -336,7 +374,10 @@ class SwappedSlabs:
         waited for)."""
         self._check_region(i, values, offset)
         self.bytes_written += values.numel() * values.element_size()
-        return self.aio.submit_pwrite(values, str(self.paths[i]), offset * values.element_size())
+        try:
+            return self.aio.submit_pwrite(values, str(self.paths[i]), offset * values.element_size())
+        except OSError as exc:
+            raise self.directory.explain(exc) from exc
 
     def read_region(self, i: int, out: torch.Tensor, offset: int) -> None:
         """Read ``out.numel()`` elements at element ``offset`` of slab ``i``'s file into ``out``."""
@@ -372,7 +413,7 @@ class SwappedSlabs:
         seconds, error = _wait_each([(-1, request) for request in requests])
         self.write_wait += seconds
         if error is not None:
-            raise error
+            raise self.directory.explain(error) from error
 
     def _check_region(self, i: int, values: torch.Tensor, offset: int) -> None:
         numel, dtype = self.numels[i], self.dtypes[i]
@@ -395,7 +436,7 @@ class SwappedSlabs:
         seconds, error = _wait_each(requests, failed=self._unsaved, done=self._saved)
         self.write_wait += seconds
         if error is not None:
-            raise error
+            raise self.directory.explain(error) from error
 
     def _landed(self, i: int) -> None:
         self._move(i, SlabState.RESIDENT)

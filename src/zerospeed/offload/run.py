@@ -97,7 +97,8 @@ class NvmeRun:
         directory: RunDirectory | None = None
         error: OSError | None = None
         try:
-            directory = RunDirectory(tier.path, f"{run_id}-{purpose}" if purpose else run_id, comm.rank)
+            directory = RunDirectory(tier.path, f"{run_id}-{purpose}" if purpose else run_id, comm.rank,
+                                     key=tier.key)
         except OSError as exc:
             error = exc
         try:

@@ -47,8 +47,9 @@ class StateStore:
         opt_cfg, par_cfg = zero_cfg.offload_optimizer, zero_cfg.offload_param
         # host memory is pinned only when asked and a CUDA device copies from it
         pin = compute.device.type == "cuda" and accelerator.device_type == "cuda"
-        optimizer = host_tier(opt_cfg, compute, pin=pin, aio=aio)
-        params = host_tier(par_cfg, compute, pin=pin, aio=aio) if zero_cfg.stage == 3 else compute
+        optimizer = host_tier(opt_cfg, compute, pin=pin, aio=aio, key="zero_optimization.offload_optimizer")
+        params = (host_tier(par_cfg, compute, pin=pin, aio=aio, key="zero_optimization.offload_param")
+                  if zero_cfg.stage == 3 else compute)
         ratio = opt_cfg.ratio if optimizer != compute else 1.0
         # buffer_count slabs: one being updated, one being written back, the rest read ahead
         lookahead = max(opt_cfg.buffer_count - 2, 1) if opt_cfg.pipeline_read else 1

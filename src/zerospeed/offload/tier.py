@@ -89,6 +89,8 @@ class NvmeTier(StateTier):
     path: pathlib.Path  # the directory under which this run's swap files go
     pinned: bool = False
     aio: AioConfig | None = field(default=None, compare=False)  # block size, queue depth... (None: defaults)
+    # the config key that chose ``path``, named by every error about it (a read-only or full disk)
+    key: str = field(default="nvme_path", compare=False)
     name: str = field(default="nvme", init=False)
     device: torch.device = field(default=CPU, init=False)  # slabs are read into CPU memory
     swaps: ClassVar[bool] = True
@@ -103,14 +105,15 @@ class NvmeTier(StateTier):
 
 
 def host_tier(section: OffloadSection, compute: MemoryTier, *, pin: bool,
-              aio: AioConfig | None) -> StateTier:
+              aio: AioConfig | None, key: str) -> StateTier:
     """The tier an ``offload_optimizer`` / ``offload_param`` section asks for: CPU memory for
     ``device: cpu`` (pinned when ``pin`` and the section asks), files under ``nvme_path`` for
-    ``device: nvme``; else the compute tier."""
+    ``device: nvme``; else the compute tier. ``key``: the section's config path (e.g.
+    ``zero_optimization.offload_param``), for errors about its ``nvme_path``."""
     pinned = bool(section.pin_memory) and pin
     if section.device == OffloadDevice.NVME:
         assert section.nvme_path is not None  # the config requires it with device nvme
-        return NvmeTier(pathlib.Path(section.nvme_path), pinned=pinned, aio=aio)
+        return NvmeTier(pathlib.Path(section.nvme_path), pinned=pinned, aio=aio, key=f"{key}.nvme_path")
     if section.device == OffloadDevice.CPU:
         return MemoryTier("cpu", CPU, pinned=pinned)
     return compute
@@ -121,7 +124,8 @@ def remote_device_tier(cfg: Config | None, remote_device: str | None) -> NvmeTie
     tier for ``"nvme"`` (the default when the config puts ``offload_param`` there), None for memory
     (``"cpu"``)."""
     section = cfg.zero_optimization.offload_param if cfg is not None else None
-    tier = host_tier(section, MemoryTier("cpu", CPU), pin=False, aio=cfg.aio) \
+    tier = host_tier(section, MemoryTier("cpu", CPU), pin=False, aio=cfg.aio,
+                     key="zero_optimization.offload_param") \
         if cfg is not None and section is not None else None
     nvme = tier if isinstance(tier, NvmeTier) else None
     if remote_device is None:

@@ -3,7 +3,8 @@
 One batch is one run of the stage's program (``interpreter.StageRun``) of the configured schedule.
 Everything else is the data-parallel engine's, unchanged: the model state of this stage's parameters
 (ZeRO 0-2 over the stage's data-parallel ranks) reduces gradients while backward runs, and the step
-(unscale, global norm, clip, apply) is :meth:`Engine._apply_window`. The pipeline adds only what is
+(unscale, global norm, clip, apply; a non-finite norm skips it, reported as the engine reports it:
+``zerospeed.precision.nonfinite``) is :meth:`Engine._apply_window`. The pipeline adds only what is
 its own, as collaborators: the point-to-point link, the tied-weight sums (taken on the reduced
 gradients, before the norm), and a norm scope summing over the pipeline (and tensor) ranks, so
 clipping and the fp16 overflow decision are global and agreed by every stage.
@@ -119,11 +120,10 @@ class PipelineEngine(Engine):
         if data_iter is not None:
             self.set_dataiterator(data_iter)
         self.module.train()
-        applied = [False]
 
         def step() -> None:
             with self.timers.phase("step"):
-                applied[0] = self._apply_window()
+                self._apply_window()
 
         hooks = StageHooks(next_batch=self._next_micro_batch, loss=self._loss, prepare_inputs=self._prepare,
                            scale=self._scale, weight_backward=self._weight_backward, step=step)
@@ -137,8 +137,7 @@ class PipelineEngine(Engine):
         if self.global_steps != steps:  # the monitors' events (the batch's loss is already averaged over dp)
             self.step_events.add_loss(self.agg_train_loss)
             self.step_events.after_step(self)
-        if applied[0]:
-            self._report()
+            self._report()  # applied or skipped: the progress line goes on (with the skipped count)
         return self.agg_train_loss
 
     def eval_batch(self, data_iter: Iterator[Any], return_logits: bool = False, compute_loss: bool = True,
@@ -227,6 +226,14 @@ class PipelineEngine(Engine):
         grads = self.state.step_grads()
         self.pipe.tied.sum_grads(self.state)
         return grads
+
+    def _window_loss_value(self) -> float:
+        """This stage's losses of the batch, summed (only the last stage computes losses: 0.0 elsewhere,
+        so other stages name a non-finite step by its gradient norm)."""
+        run = self.last_run
+        values = [t.float().sum() for loss in (run.losses if run is not None else []) for t in tensors_of(loss)
+                  if t.is_floating_point()]
+        return float(torch.stack(values).sum()) if values else 0.0
 
     # -- losses -----------------------------------------------------------------------------------
     def _mean_over_dp(self, losses: list[Any], micro: int) -> torch.Tensor:

@@ -13,6 +13,7 @@ from .loss_scale import (
     scaler_for,
 )
 from .loss_scale import from_config as scaler_from_config
+from .nonfinite import NonFinitePolicy, NonFiniteSteps, NonFiniteStepsError
 from .policy import MixedPrecisionPolicy, policy_from_config
 
 __all__ = [
@@ -21,6 +22,9 @@ __all__ = [
     "LossScaler",
     "MixedPrecisionPolicy",
     "NoScaler",
+    "NonFinitePolicy",
+    "NonFiniteSteps",
+    "NonFiniteStepsError",
     "StaticScaler",
     "find_inf_or_nan",
     "has_inf_or_nan",

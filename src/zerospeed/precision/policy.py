@@ -12,6 +12,11 @@ bf16       bf16         fp32          fp32              grad_accum_dtype      no
 fp16       fp16         fp32          fp32              grad_accum_dtype      fp16 section
 =========  ===========  ============  ================  ====================  ==========
 
+A step whose global gradient norm is not finite is skipped (``check_overflow``) in fp16 always, in
+bf16 unless ``bf16.check_grad_overflow`` is false (DeepSpeed's key and meaning), in fp32 unless
+``skipped_steps.check_fp32`` is false (zerospeed's: DeepSpeed applies such an fp32 step);
+``nonfinite`` says how such steps are reported (see :mod:`zerospeed.precision.nonfinite`).
+
 ``data_types.grad_accum_dtype`` and ``communication_data_type`` override their columns.
 (DeepSpeed 0.19.8 defaults both to the model dtype; accumulating and reducing in fp32 by
 default costs bandwidth but keeps bf16/fp16 runs close to fp32, which the engine's parity
@@ -31,6 +36,7 @@ from ..config.policies import LossScalePolicy
 from ..config.values import DType
 from ..tensor_tree import map_tensors
 from .loss_scale import LossScaler, scaler_for
+from .nonfinite import NonFinitePolicy
 
 
 @dataclass(frozen=True)
@@ -41,7 +47,8 @@ class MixedPrecisionPolicy:
     ``master_dtype`` is what the optimizer updates; ``grad_accum_dtype`` holds gradients
     summed over micro-batches; ``reduce_dtype`` goes over the wire. ``check_overflow``
     says whether a non-finite gradient skips the step. ``loss_scaling`` is the fp16 loss
-    scaling that :meth:`make_scaler` follows, None for no scaling.
+    scaling that :meth:`make_scaler` follows, None for no scaling. ``nonfinite``: how
+    non-finite steps are reported, and after how many in a row the run stops.
     """
 
     precision: DType
@@ -51,6 +58,7 @@ class MixedPrecisionPolicy:
     reduce_dtype: torch.dtype
     check_overflow: bool
     loss_scaling: LossScalePolicy | None = None
+    nonfinite: NonFinitePolicy = NonFinitePolicy()
 
     @property
     def needs_master_copy(self) -> bool:
@@ -101,8 +109,10 @@ def policy_from_config(cfg: Config) -> MixedPrecisionPolicy:
     accum = cfg.data_types.grad_accum_dtype
     grad_accum = torch.float32 if accum is None else accum.torch_dtype
     comm = cfg.communication_data_type
-    check_overflow = {DType.FP32: False, DType.BF16: cfg.bf16.check_grad_overflow,
+    check_overflow = {DType.FP32: cfg.skipped_steps.check_fp32, DType.BF16: cfg.bf16.check_grad_overflow,
                       DType.FP16: True}[precision]
+    switch = {DType.FP32: "skipped_steps.check_fp32", DType.BF16: "bf16.check_grad_overflow",
+              DType.FP16: ""}[precision]
     return MixedPrecisionPolicy(
         precision=precision,
         param_dtype=compute,
@@ -111,6 +121,8 @@ def policy_from_config(cfg: Config) -> MixedPrecisionPolicy:
         reduce_dtype=grad_accum if comm is None else comm.torch_dtype,
         check_overflow=check_overflow,
         loss_scaling=LossScalePolicy.from_fp16(cfg.fp16) if precision == DType.FP16 else None,
+        nonfinite=NonFinitePolicy(switch=switch,
+                                  raise_after_consecutive=cfg.skipped_steps.raise_after_consecutive),
     )
 
 

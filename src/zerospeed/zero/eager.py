@@ -3,10 +3,10 @@
 On the last micro-batch of a window, a unit's gradient shard is final once its reduction has
 completed (noticed when the next unit's reduction is launched, or at the end of backward). When
 nothing global has to be known before the update — no clipping (the global norm), no fp16 loss
-scaling and no bf16 overflow check (every gradient must be seen before a step may be skipped), and an
-elementwise optimizer (not Lamb, whose trust ratio needs whole-parameter norms) — this rank's pieces
-of those units can be updated right away, on a worker thread, while backward goes on with earlier
-layers. Units are collected into sub-groups of about ``sub_group_size`` shard elements (DeepSpeed's
+scaling and no check for non-finite gradients (every gradient must be seen before a step may be
+skipped), and an elementwise optimizer (not Lamb, whose trust ratio needs whole-parameter norms) —
+this rank's pieces of those units can be updated right away, on a worker thread, while backward goes
+on with earlier layers. Units are collected into sub-groups of about ``sub_group_size`` shard elements (DeepSpeed's
 knob) and each sub-group is one job; ``engine.step()`` waits for the jobs, steps whatever is left
 and publishes.
 
@@ -61,8 +61,10 @@ class StepOverlap:
             return cls(False, elems, "fp16 loss scaling must unscale and check every gradient before a step may "
                                      "be applied or skipped, so the step runs after backward")
         if overflow_checked:
-            return cls(False, elems, "bf16.check_grad_overflow (on by default) must see every gradient before a "
-                                     "step may be applied or skipped; set it to false to overlap the step")
+            return cls(False, elems, "skipping a step whose gradients are not finite (bf16.check_grad_overflow in "
+                                     "bf16, skipped_steps.check_fp32 in fp32; both on by default) must see every "
+                                     "gradient before a step may be applied or skipped; set it to false to overlap "
+                                     "the step")
         return cls(True, elems, f"sub-groups of {elems:,} elements step while backward runs")
 
     def without(self, reason: str) -> "StepOverlap":
