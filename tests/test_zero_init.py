@@ -130,8 +130,16 @@ def test_safe_get_reads_the_same_full_tensors_at_every_stage() -> None:
 
 
 def _big_init() -> dict:
-    """A ~1.07B-parameter model (16 blocks of 4 x 4096x4096) built under zero.Init on 4 ranks."""
+    """A ~1.07B-parameter model (16 blocks of 4 x 4096x4096) built under zero.Init on 4 ranks, every
+    collective's wait outlasting Comm's patience as many do on a busy machine (where this build once peaked
+    at 1.97 GiB: each such wait kept a whole parameter's broadcast buffer until a gc pass): the peak must
+    not depend on how long the waits take."""
+    import datetime
+
+    from zerospeed.distributed import comm
+
     torch.set_num_threads(1)
+    comm._PATIENCE = datetime.timedelta(milliseconds=1)  # this rank's process only; it exits after the test
     zerospeed.init_distributed()
 
     class Big(nn.Module):
@@ -242,3 +250,30 @@ def test_init_remote_device_errors() -> None:
         zerospeed.zero.Init(remote_device="gpu", enabled=False)
     with pytest.raises(ValueError, match="needs the config's zero_optimization.offload_param"):
         zerospeed.zero.Init(remote_device="nvme", config=_config(3), enabled=False)
+
+
+def test_init_frees_each_broadcast_buffer_at_once_whoever_still_holds_it(monkeypatch) -> None:
+    """Each parameter's broadcast buffer (a whole parameter) is released as soon as this rank's slice is
+    cut from it, even while something still references it (a caught timeout's traceback, a comms logger):
+    the build's peak is one module's parameters plus the shards, whenever those references go."""
+    from zerospeed.testing.dist import one_process_group
+
+    held: list[torch.Tensor] = []
+    with one_process_group():
+        real = torch.distributed.broadcast
+
+        def keep(tensor: torch.Tensor, *args, **kwargs):
+            held.append(tensor)
+            return real(tensor, *args, **kwargs)
+
+        monkeypatch.setattr(torch.distributed, "broadcast", keep)
+        torch.manual_seed(0)
+        with zerospeed.zero.Init():
+            model = nn.Linear(64, 32)
+        torch.manual_seed(0)
+        reference = nn.Linear(64, 32)
+        with zerospeed.zero.GatheredParameters(list(model.parameters())):
+            same = torch.equal(model.weight, reference.weight) and torch.equal(model.bias, reference.bias)
+    assert [tuple(t.shape) for t in held] == [(64 * 32,), (32,)]
+    assert [t.untyped_storage().nbytes() for t in held] == [0, 0]  # freed, though `held` still refers to them
+    assert same and tuple(model.weight.shape) == (0,)

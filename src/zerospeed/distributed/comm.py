@@ -401,7 +401,11 @@ class Comm:
             work.wait(timeout=patience)
             return
         except Exception as exc:  # still running, or failed (then the second wait re-raises at once)
-            first_error = exc
+            # kept without its traceback: that holds this frame, whose locals hold the exception again, a
+            # cycle that kept every caller's frame and tensors (zero.Init: a whole parameter per wait) alive
+            # until the next gc pass -- so on a busy machine, where many waits outlast the patience, the
+            # memory peak rose with the load
+            first_error = exc.with_traceback(None)
         if self._store is not None and seq is not None:
             self._store.set(self._key(self.global_ranks[self.rank]), f"{seq} {op}")
         remaining = self.timeout - patience

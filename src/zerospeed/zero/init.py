@@ -52,6 +52,10 @@ class InitPartition(InitOwner):
             flat[: self.numel].copy_(param.detach().reshape(-1))
         comm.broadcast(flat, src=0)
         self.shard = flat[comm.rank * self.width: (comm.rank + 1) * self.width].clone()
+        # the buffer is a whole parameter: free it now rather than when its last reference goes (a caught
+        # timeout's traceback, a comms logger or a profiler may hold one for a while), so the build's peak is
+        # one module's parameters plus the shards however busy the machine is
+        flat.untyped_storage().resize_(0)
         del flat
         self._empty = torch.empty(0, dtype=param.dtype, device=param.device)
         self._gathered: torch.Tensor | None = None
