@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
+import re
 import subprocess
 import sys
 import textwrap
@@ -94,7 +95,7 @@ def test_plot_help_is_plain_text(capsys: pytest.CaptureFixture[str]) -> None:
 
 # Each is refused with exit code 2 (or answered with 0) and torch still not imported.
 _NO_TORCH = textwrap.dedent("""
-    import os, sys, tempfile
+    import os, socket, sys, tempfile
     from zerospeed.launcher.cli import main
     from zerospeed.plan.cli import plan_main
 
@@ -121,12 +122,23 @@ _NO_TORCH = textwrap.dedent("""
         (["-H", bad_hosts, script], 2),
         (["-H", two_hosts, script], 2),
         (["-H", two_hosts, "--include", "worker-0:5", script], 2),
+        # a malformed or impossible filter without a hostfile or --num_procs (this machine's pool is
+        # sized by the CUDA count): refused before the count
+        (["--include", "localhost:x", script], 2),
+        (["--exclude", "worker-0", script], 2),
+        (["--exclude", "localhost", script], 2),
         (["--help"], 0),
         (["--version"], 0),
     ]
     for argv, code in cases:
         got = main(argv)
         assert got == code, (argv, got)
+        assert "torch" not in sys.modules, argv
+    with socket.socket() as busy:  # a --master_port in use: refused before the runner imports torch
+        busy.bind(("", 0))
+        busy.listen()
+        argv = ["--num_procs", "1", "--master_port", str(busy.getsockname()[1]), script]
+        assert main(argv) == 2, argv
         assert "torch" not in sys.modules, argv
     assert plan_main(["c.json", "--model", "m:f", "--world-size", "0"]) == 2
     try:
@@ -144,8 +156,15 @@ def test_usage_errors_are_answered_before_torch_is_imported() -> None:
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert done.stdout.endswith("no torch\n")
     errors = [line for line in done.stderr.splitlines() if line.startswith("zerospeed: error: ")]
-    assert len(errors) == 13, done.stderr
+    assert len(errors) == 17, done.stderr
     assert "zerospeed: error: --num_procs/--num_gpus must be at least 1, got 0" in errors
+    assert errors[-4:-1] == [
+        "zerospeed: error: --include 'localhost:x': slot 'x' on host 'localhost' is not a non-negative integer",
+        "zerospeed: error: --exclude 'worker-0': unknown host 'worker-0'; available hosts: localhost",
+        "zerospeed: error: --exclude 'localhost' removes every slot on every host; nothing is left to run on",
+    ]
+    assert re.fullmatch(r"zerospeed: error: --master_port \d+ is already in use on this machine; pass another "
+                        r"port, --master_port 0 for any free port, or omit it", errors[-1]), errors[-1]
 
 
 def test_a_plan_with_its_rank_count_given_needs_no_torch() -> None:
@@ -155,6 +174,42 @@ def test_a_plan_with_its_rank_count_given_needs_no_torch() -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_packages_load_their_names_on_use_through_one_helper() -> None:
+    """``zerospeed`` and ``zerospeed.distributed`` share ``_lazy_submodules.lazy_attributes`` (a refactor:
+    the behaviour is the one the launcher's torch-free imports rely on)."""
+    import zerospeed.distributed as distributed
+    from zerospeed.distributed.comm import Comm
+
+    assert dir(zerospeed) == sorted(zerospeed.__all__) and dir(distributed) == sorted(distributed.__all__)
+    assert distributed.Comm is Comm and zerospeed.Comm is Comm
+    assert zerospeed.zero is importlib.import_module("zerospeed.zero")
+    for package, name in ((zerospeed, "zerospeed"), (distributed, "zerospeed.distributed")):
+        with pytest.raises(AttributeError) as info:
+            getattr(package, "no_such_name")
+        assert str(info.value) == f"module {name!r} has no attribute 'no_such_name'"
+
+
+def test_the_request_is_checked_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher checks the request before it may import torch; the plan it then resolves (twice when
+    --include picks devices from a hostfile) does not check it again."""
+    from zerospeed.launcher import cli, plan
+
+    checked: list[object] = []
+    real = plan.check_request
+
+    def counting(request: plan.LaunchRequest) -> None:
+        checked.append(request)
+        real(request)
+
+    monkeypatch.setattr(cli, "check_request", counting)
+    monkeypatch.setattr(plan, "check_request", counting)
+    hosts, script = tmp_path / "hosts", tmp_path / "train.py"
+    hosts.write_text("localhost slots=2\n")
+    script.touch()
+    resolved = plan_from_args(["-H", str(hosts), "--include", "localhost:1", str(script)], environ={})
+    assert dict(resolved.resources) == {"localhost": (1,)} and len(checked) == 1
 
 
 def test_a_directory_as_the_script_names_the_scripts_inside(tmp_path: Path,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import pathlib
 import re
 import sys
@@ -469,6 +470,12 @@ def test_deepspeed_io_builds_the_rank_loader(one_rank: None) -> None:
         engine.deepspeed_io(_Stream())
     with pytest.raises(NotImplementedError, match="data_sampler=None"):
         engine.deepspeed_io(data, data_sampler=object())
+    # 4 samples fill a micro-batch of 3 but not the global batch of 3 x accumulation 2: warned once, on rank 0
+    from zerospeed.testing.logs import log_messages
+
+    with log_messages(logging.WARNING) as messages:
+        engine.deepspeed_io(TensorDataset(torch.arange(4.0).unsqueeze(1)))
+    assert len(messages) == 1 and "fewer than one global batch of 6 " in messages[0], messages
     with pytest.raises(ValueError, match="route='bad'"):
         engine.deepspeed_io(data, route="bad")
     assert engine.is_map_style_dataset(data) and not engine.is_iterable_style_dataset(data)

@@ -12,22 +12,28 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import textwrap
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from zerospeed.launcher import worker_guard
 from zerospeed.launcher.runners import guarded_command
 from zerospeed.launcher.worker_guard import (
+    LOCK_NAME,
     RUN_DIR_PREFIX,
     ProcessIdentity,
     ProcessWatch,
     RunDirLock,
     guard_argv,
+    watch_rank,
 )
 from zerospeed.testing import free_port
 
@@ -150,6 +156,44 @@ def test_ranks_of_a_killed_launcher_stop_and_the_run_folder_goes(dirs: tuple[Pat
         job.kill()
 
 
+# The launcher called as a function by a process that lives on (a notebook, a sweep): two launches, then idle.
+_LONG_LIVED = textwrap.dedent("""
+    import time
+    from zerospeed.launcher.cli import main
+
+    for _ in range(2):
+        code = main(["--num_procs", "1", "--master_port", "0", "tests/launcher_scripts/record_watcher.py"])
+        assert code == 0, code
+    print("launched", flush=True)
+    time.sleep(120)
+""")
+
+
+@pytest.mark.timeout(START_DEADLINE_S + STOP_DEADLINE_S + 30)
+def test_watchers_of_launches_in_a_long_lived_process_exit_after_each_launch(dirs: tuple[Path, Path],
+                                                                             tmp_path: Path) -> None:
+    """A watcher whose rank ended waits for the launcher's cleanup, not for the launcher's process to
+    exit: it used to idle until then, one per rank and launch. The ranks record their watchers' PIDs
+    (found by the lock file they hold open)."""
+    out, tmp = dirs
+    job = _Job([sys.executable, "-c", _LONG_LIVED], _env(out, tmp), tmp_path)
+    stdout = tmp_path / "stdout.txt"
+    try:
+        _wait_until(lambda: "launched" in stdout.read_text() or job.proc.poll() is not None, START_DEADLINE_S,
+                    "the two launches did not return")
+        assert job.proc.poll() is None, job.stderr()
+        records = sorted(out.glob("watchers-*"))
+        watchers = [ProcessIdentity(int(pid), start) for record in records
+                    for pid, start in (line.split() for line in record.read_text().splitlines())]
+        job.others = watchers
+        assert len(records) == 2 and len(watchers) == 2, (records, watchers)
+        _wait_until(lambda: not any(watcher.running() for watcher in watchers), STOP_DEADLINE_S,
+                    "the watchers of the finished launches did not exit while their launcher's process lives")
+        assert job.proc.poll() is None and list(tmp.iterdir()) == []  # the launcher removed its folders
+    finally:
+        job.kill()
+
+
 # -- the guard alone, a `sleep` standing in for the launcher -------------------------------------
 
 def _stand_in_launcher() -> subprocess.Popen[bytes]:
@@ -226,7 +270,7 @@ def test_a_rank_that_ignores_sigterm_is_killed_after_the_grace(tmp_path: Path) -
         launcher.wait()
         start = time.monotonic()
         assert job.proc.wait(timeout=STOP_DEADLINE_S) == -signal.SIGKILL
-        assert 0.9 < time.monotonic() - start < 5
+        assert 0.9 < time.monotonic() - start < STOP_DEADLINE_S  # not before the 1 s grace
         _wait_until(lambda: not run_dir.exists() and not watchers[0].running(), STOP_DEADLINE_S,
                     "the watcher did not remove the run folder and exit")
         assert job.stderr() == (
@@ -257,6 +301,57 @@ def test_exit_status_is_kept_and_the_folder_waits_for_the_launcher(tmp_path: Pat
         _wait_until(lambda: not run_dir.exists() and not job.others[0].running(), STOP_DEADLINE_S,
                     "the run folder of a launcher killed after its ranks ended was not removed")
         assert job.stderr() == ""
+    finally:
+        _stop(launcher)
+        job.kill()
+
+
+@pytest.mark.timeout(60)
+def test_the_rank_gets_the_signal_dispositions_it_would_get_without_the_guard(tmp_path: Path) -> None:
+    """Python ignores SIGPIPE and SIGXFSZ and an ignore survives exec: the guard resets both, as
+    ``subprocess`` (and so torch's agent) does for any child."""
+    run_dir = tmp_path / f"{RUN_DIR_PREFIX}s"
+    run_dir.mkdir()
+    probe = ["/bin/sh", "-c", "grep SigIgn /proc/self/status"]
+    launcher = _stand_in_launcher()
+    job = _guard(launcher, run_dir, probe, tmp_path)
+    try:
+        assert job.proc.wait(timeout=30) == 0, job.stderr()
+        guarded = (tmp_path / "stdout.txt").read_text()
+        assert guarded == subprocess.run(probe, capture_output=True, text=True, check=True).stdout
+        ignored = int(guarded.split()[1], 16)
+        assert not ignored & (1 << (signal.SIGPIPE - 1) | 1 << (signal.SIGXFSZ - 1)), guarded
+    finally:
+        _stop(launcher)
+        job.kill()
+        _kill_all(_processes_mentioning(str(run_dir)))
+
+
+# Prints the locks on argv[1] from /proc/locks as "<kind> <mode> <pid>" ("-> " marks a blocked waiter).
+_LOCKS_ON = textwrap.dedent("""
+    import os, sys
+    st = os.stat(sys.argv[1])
+    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in open("/proc/locks"):
+        fields = line.split()
+        if fields[1] != "->" and fields[5] == key:
+            print(fields[1], fields[3], fields[4])
+""")
+
+
+@pytest.mark.timeout(60)
+def test_the_guard_takes_the_ranks_share_of_the_lock_before_the_rank_runs(tmp_path: Path) -> None:
+    """The share is taken by the guard (the rank's own PID, before the exec), so it is held from the
+    rank's first instruction: taken later by the watcher, a sibling could count itself last meanwhile."""
+    run_dir = tmp_path / f"{RUN_DIR_PREFIX}l"
+    run_dir.mkdir()
+    launcher = _stand_in_launcher()
+    job = _guard(launcher, run_dir, [sys.executable, "-c", _LOCKS_ON, str(run_dir / LOCK_NAME)], tmp_path)
+    try:
+        assert job.proc.wait(timeout=30) == 0, job.stderr()
+        assert (tmp_path / "stdout.txt").read_text() == f"FLOCK READ {job.proc.pid}\n"
+        job.others = _processes_mentioning(str(run_dir))
+        assert len(job.others) == 1  # the watcher, which holds it on
     finally:
         _stop(launcher)
         job.kill()
@@ -333,9 +428,98 @@ def test_the_last_lock_holder_removes_the_run_folder(tmp_path: Path) -> None:
         RunDirLock("/tmp")
 
 
+def test_only_a_holder_can_be_last_and_nothing_recreates_the_lock_file(tmp_path: Path) -> None:
+    """A watcher never creates ``ranks.lock`` after its rank started: an ``O_CREAT`` in a folder that the
+    launcher's cleanup was removing made that cleanup fail ("directory not empty")."""
+    run_dir = tmp_path / f"{RUN_DIR_PREFIX}n"
+    run_dir.mkdir()
+    assert not RunDirLock(str(run_dir)).remove_if_last()
+    assert list(run_dir.iterdir()) == []
+    lock = RunDirLock(str(run_dir))
+    try:
+        assert lock.hold() and not lock.removed()
+        shutil.rmtree(run_dir)  # the launcher's own cleanup, while the watcher still holds its share
+        assert lock.removed() and not lock.remove_if_last() and not run_dir.exists()
+    finally:
+        lock.close()
+    assert not RunDirLock(str(run_dir)).hold()  # gone: nothing to hold, nothing created
+
+
+def test_a_message_is_one_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two watchers speaking at once must not interleave: ``print`` wrote text and newline apart."""
+    writes: list[tuple[int, bytes]] = []
+    monkeypatch.setattr(worker_guard.os, "write", lambda fd, data: writes.append((fd, bytes(data))) or len(data))
+    worker_guard._say("zerospeed: the launcher (pid 1) is gone; stopping rank 1 (pid 2) with SIGTERM")
+    assert writes == [(2, b"zerospeed: the launcher (pid 1) is gone; stopping rank 1 (pid 2) with SIGTERM\n")]
+
+
+@pytest.fixture(params=["pidfd", "polling"])
+def watch_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each in-process watcher test runs with pidfds and with the fallback that polls /proc."""
+    if request.param == "polling":
+        monkeypatch.delattr(os, "pidfd_open")
+    return str(request.param)
+
+
+def _watches(*procs: subprocess.Popen[bytes], kind: str) -> list[ProcessWatch]:
+    watches = [ProcessWatch(ProcessIdentity.of(proc.pid)) for proc in procs]
+    assert [watch.fileno() is None for watch in watches] == [kind == "polling"] * len(procs)
+    return watches
+
+
+@pytest.mark.timeout(60)
+def test_the_watcher_stops_the_rank_when_the_launcher_dies(tmp_path: Path, watch_kind: str,
+                                                           capfd: pytest.CaptureFixture[str]) -> None:
+    run_dir = tmp_path / f"{RUN_DIR_PREFIX}a"
+    run_dir.mkdir()
+    launcher, rank = _stand_in_launcher(), subprocess.Popen(["sleep", "120"])
+    lock = RunDirLock(str(run_dir))
+    try:
+        rank_watch, launcher_watch = _watches(rank, launcher, kind=watch_kind)
+        assert lock.hold()
+        threading.Timer(0.3, launcher.kill).start()
+        watch_rank(rank_watch, launcher_watch, lock=lock, grace_s=5, group=False, label="rank 7")
+        assert rank.wait(timeout=1) == -signal.SIGTERM and not run_dir.exists()
+        assert capfd.readouterr().err == (f"zerospeed: the launcher (pid {launcher.pid}) is gone; stopping rank 7 "
+                                          f"(pid {rank.pid}) with SIGTERM\n")
+    finally:
+        lock.close()
+        _stop(launcher)
+        _stop(rank)
+
+
+@pytest.mark.timeout(60)
+def test_a_watcher_whose_rank_ended_exits_once_the_launcher_removed_the_folder(tmp_path: Path,
+                                                                               watch_kind: str) -> None:
+    """The launcher lives on (a notebook): its cleanup, not its exit, ends the watcher."""
+    run_dir = tmp_path / f"{RUN_DIR_PREFIX}b"
+    run_dir.mkdir()
+    launcher, rank = _stand_in_launcher(), _stand_in_launcher()
+    lock = RunDirLock(str(run_dir))
+    try:
+        rank_watch, launcher_watch = _watches(rank, launcher, kind=watch_kind)
+        assert lock.hold()
+        _stop(rank)  # the rank ends; its launcher lives on
+        threading.Timer(0.3, shutil.rmtree, [run_dir]).start()
+        start = time.monotonic()
+        watch_rank(rank_watch, launcher_watch, lock=lock, grace_s=5, group=False, label="rank 7")
+        assert 0.3 <= time.monotonic() - start < STOP_DEADLINE_S
+        assert launcher.poll() is None and not run_dir.exists()  # and no lock file put back
+        # No folder to clean up: the watcher ends with its rank.
+        second = _stand_in_launcher()
+        watches = _watches(second, launcher, kind=watch_kind)
+        _stop(second)
+        start = time.monotonic()
+        watch_rank(*watches, lock=None, grace_s=5, group=False, label="rank 7")
+        assert time.monotonic() - start < 1 and launcher.poll() is None
+    finally:
+        lock.close()
+        _stop(launcher)
+
+
 def test_guarded_command_wraps_and_escapes_the_rank_command() -> None:
     command = ("./a$b.sh", ["$$x", "${local_rank}"])
     assert guarded_command(command, run_dir="/t/zerospeed-launch-$q", grace_s=10,
                            launcher=ProcessIdentity(42, "777"), python="py") == ("py", [
-        "-S", GUARD, "--launcher-pid", "42", "--launcher-start", "777", "--run-dir",
+        "-I", "-S", GUARD, "--launcher-pid", "42", "--launcher-start", "777", "--run-dir",
         "/t/zerospeed-launch-$$q", "--grace", "10", "--", "./a$$b.sh", "$$x", "${local_rank}"])

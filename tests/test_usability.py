@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -89,7 +90,7 @@ def test_readme_names_where_the_cifar_script_lives_and_what_it_needs() -> None:
 SMALL = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
          "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
 CONFIG_LINE = ("zerospeed config (resolved): batch 8 = micro 4 x accumulation 2 x 1 data-parallel rank(s), fp32, "
-               "ZeRO stage 0; features in use: optimizer.type=SGD, gradient_clipping (the full config is logged at "
+               "ZeRO stage 0; features beyond the defaults: optimizer.type=SGD (the full config is logged at "
                "DEBUG: ZEROSPEED_LOG_LEVEL=debug, or logging.getLogger('zerospeed').setLevel(logging.DEBUG))")
 
 
@@ -107,6 +108,23 @@ def test_initialize_logs_its_config_in_one_line_and_the_whole_of_it_at_debug(
     engine, debug = _initialize(logging.DEBUG)
     assert CONFIG_LINE in debug
     assert f"zerospeed config (resolved, every default in force):\n{engine.config.to_json()}" in debug
+
+
+def test_the_config_line_lists_only_features_beyond_the_defaults() -> None:
+    """gradient_clipping is on by default (1.0, as DeepSpeed 0.19.8): listed only when a config sets
+    another value, not for every config."""
+    from zerospeed.config.policies import TrainingPolicy
+    from zerospeed.entry import config_line
+
+    def line(**extra: Any) -> str:
+        cfg = zerospeed.load_config({**SMALL, **extra}, world_size=1)
+        return config_line(cfg, TrainingPolicy.from_config(cfg))
+
+    assert line() == CONFIG_LINE
+    assert line(gradient_clipping=1.0) == CONFIG_LINE  # restating the default asks for nothing
+    assert line(gradient_clipping=0) == CONFIG_LINE
+    assert "; features beyond the defaults: optimizer.type=SGD, gradient_clipping (" in line(gradient_clipping=0.5)
+    assert "; features beyond the defaults: none (" in line(optimizer=None)
 
 
 def test_log_level_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -143,6 +161,13 @@ def test_a_level_the_user_set_on_the_logger_is_kept(monkeypatch: pytest.MonkeyPa
         assert logger.level == logging.INFO and len(logger.handlers) == 1
     finally:
         logger.setLevel(previous)
+
+
+def test_a_wrong_log_level_fails_before_initialize_does_anything(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(LOG_LEVEL_ENV, "loud")
+    with pytest.raises(ValueError) as info:  # no process group, and a config that would fail too
+        zerospeed.initialize(model=torch.nn.Linear(4, 2), config={"train_batch_size": "many"})
+    assert str(info.value).startswith("ZEROSPEED_LOG_LEVEL='loud' is not a log level; use one of debug, ")
 
 
 # -- the demo's "config beyond defaults" ----------------------------------------------------------------------
@@ -204,19 +229,59 @@ def test_a_dataset_smaller_than_a_global_batch_is_warned_about_once() -> None:
         "train_micro_batch_size_per_gpu / gradient_accumulation_steps"]
 
 
+SMALL_DATA_WARNING = (
+    "the training data holds 5 samples, fewer than one global batch of 8 (train_micro_batch_size_per_gpu 4 x "
+    "gradient_accumulation_steps 2 x 1 data-parallel rank(s)): each rank gets 5 sample(s) per epoch; its last "
+    "micro-batch holds 1 instead of 4. Add data (at least 8 samples) or lower train_micro_batch_size_per_gpu / "
+    "gradient_accumulation_steps")
+
+
 def test_initialize_warns_about_training_data_smaller_than_a_global_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(LOG_LEVEL_ENV, raising=False)
     _, records = _initialize(logging.WARNING, training_data=TensorDataset(torch.randn(5, 4), torch.randn(5, 2)))
-    assert records == [
-        "the training data holds 5 samples, fewer than one global batch of 8 (train_micro_batch_size_per_gpu 4 x "
-        "gradient_accumulation_steps 2 x 1 data-parallel rank(s)): each rank gets 5 sample(s) per epoch; its last "
-        "micro-batch holds 1 instead of 4. Add data (at least 8 samples) or lower train_micro_batch_size_per_gpu / "
-        "gradient_accumulation_steps"]
+    assert records == [SMALL_DATA_WARNING]
+
+
+def test_the_small_data_warning_has_zerospeeds_prefix_and_obeys_its_log_level(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """It was logged before initialize installed its handler: no "[zerospeed]" prefix, and
+    ZEROSPEED_LOG_LEVEL=error did not silence it. Here as for a user who configured no logging."""
+    logger = logging.getLogger("zerospeed")
+    monkeypatch.delenv(LOG_LEVEL_ENV, raising=False)
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])  # pytest's capture handlers, for this test
+    monkeypatch.setattr(logger, "handlers", [])
+    previous = logger.level
+    data = TensorDataset(torch.randn(5, 4), torch.randn(5, 2))
+    try:
+        logger.setLevel(logging.NOTSET)
+        with one_process_group():
+            zerospeed.initialize(model=torch.nn.Linear(4, 2), config=SMALL, training_data=data)
+        assert capsys.readouterr().err == f"[zerospeed] {SMALL_DATA_WARNING}\n[zerospeed] {CONFIG_LINE}\n"
+        monkeypatch.setenv(LOG_LEVEL_ENV, "error")
+        with one_process_group():
+            zerospeed.initialize(model=torch.nn.Linear(4, 2), config=SMALL, training_data=data)
+        assert capsys.readouterr().err == ""
+    finally:
+        logger.setLevel(previous)
+
+
+def test_only_global_rank_0_warns_about_small_data(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With pipeline or tensor parallelism every stage has a data-parallel rank 0; the job warns once.
+    Here the one process is data-parallel rank 0 and plays global rank 1."""
+    import zerospeed.entry
+
+    monkeypatch.delenv(LOG_LEVEL_ENV, raising=False)
+    monkeypatch.setattr(zerospeed.entry, "group_rank", lambda group=None: 1)
+    engine, records = _initialize(logging.WARNING, training_data=TensorDataset(torch.randn(5, 4), torch.randn(5, 2)))
+    assert engine.dp_world_size == 1 and records == []
 
 
 # -- ZEROSPEED_AS_DEEPSPEED -----------------------------------------------------------------------------------
 def test_a_wrong_alias_switch_is_reported_once() -> None:
     """A venv's site-packages is read twice at interpreter start, which ran the .pth hook twice."""
+    installed = Path(sysconfig.get_path("purelib")) / "zerospeed_as_deepspeed.pth"
+    assert installed.read_text() == (ROOT / "src" / "zerospeed_as_deepspeed.pth").read_text(), (
+        f"{installed} is not this checkout's hook; reinstall (pip install -e .) so this test checks the hook as written")
     done = subprocess.run([sys.executable, "-c", "import sys; print('zerospeed' in sys.modules)"],
                           capture_output=True, text=True, env=_env(ZEROSPEED_AS_DEEPSPEED="maybe"), timeout=60)
     assert done.returncode == 0 and done.stdout == "True\n", done.stderr

@@ -5,7 +5,7 @@ Heavy pieces are imported lazily so ``import zerospeed`` stays cheap for the lau
 
 from __future__ import annotations
 
-from typing import Any
+from zerospeed._lazy_submodules import lazy_attributes as _lazy_attributes
 
 __version__ = "0.1.0.dev0"
 
@@ -40,17 +40,4 @@ _SUBMODULES = ("zero", "utils", "checkpoint", "ops", "checkpointing", "comm", "r
 
 __all__ = ["__version__", *_LAZY, *_SUBMODULES]
 
-
-def __getattr__(name: str) -> Any:
-    import importlib
-
-    if name in _SUBMODULES:
-        return importlib.import_module(f"zerospeed.{name}")
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'zerospeed' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = _lazy_attributes(__name__, _LAZY, submodules=_SUBMODULES, public=__all__)

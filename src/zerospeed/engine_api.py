@@ -247,7 +247,9 @@ class DeepSpeedEngineAPI(DeepSpeedConfigGetters):
                                  world_size=self.mesh.get_data_parallel_world_size(), collate_fn=collate_fn,
                                  drop_last=self.config.dataloader_drop_last, shuffle=route == "train",
                                  num_workers=num_local_io_workers or 0,
-                                 pin_memory=pin_memory and not get_accelerator().is_cpu)
+                                 pin_memory=pin_memory and not get_accelerator().is_cpu,
+                                 gradient_accumulation_steps=self.settings.gradient_accumulation_steps,
+                                 warn=self.global_rank == 0)
 
     # -- model weights ---------------------------------------------------------------------------
     def module_state_dict(self, destination: dict[str, Any] | None = None, prefix: str = "",

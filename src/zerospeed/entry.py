@@ -83,6 +83,9 @@ def initialize(args: Any = None, model: nn.Module | None = None,
                collate_fn: Callable[[list[Any]], Any] | None = None, config: Any = None,
                config_params: Any = None) -> tuple[Engine, Any, DistributedLoader | None, Any]:
     """Return ``(engine, optimizer, dataloader, lr_scheduler)`` exactly as ``deepspeed.initialize``."""
+    # First: what initialize logs on the way (a warning about the data) gets the handler and level the
+    # user chose, and a wrong ZEROSPEED_LOG_LEVEL fails before any work.
+    _ensure_log_handler()
     if isinstance(args, nn.Module):
         raise TypeError("zerospeed.initialize got a model as its first argument (args); pass it as model=...")
     if model is None:
@@ -173,7 +176,9 @@ def initialize(args: Any = None, model: nn.Module | None = None,
         loader = DistributedLoader(training_data, micro_batch_size=training.train_micro_batch_size_per_gpu,
                                    rank=comm.rank, world_size=comm.world_size, collate_fn=collate_fn,
                                    drop_last=cfg.dataloader_drop_last,
-                                   gradient_accumulation_steps=training.gradient_accumulation_steps)
+                                   gradient_accumulation_steps=training.gradient_accumulation_steps,
+                                   # once per job: every pipeline stage / tensor rank has a data-parallel rank 0
+                                   warn=group_rank() == 0)
     if parts is not None:
         from zerospeed.pipe.engine import PipelineEngine
 
@@ -186,11 +191,11 @@ def initialize(args: Any = None, model: nn.Module | None = None,
                         settings=training, training_dataloader=loader, layer_drop=layer_drop,
                         flops_profiler=_flops_profiler(cfg, model, mesh, norm, training),
                         step_events=_step_events(cfg, comm))
-    _ensure_log_handler()
     if group_rank() == 0:
         # One line at INFO; DeepSpeed's ~250-line dump of every default in force only at DEBUG.
         log.info("%s", config_line(cfg, training))
-        log.debug("zerospeed config (resolved, every default in force):\n%s", cfg.to_json())
+        if log.isEnabledFor(logging.DEBUG):  # the JSON of every key is built only to be shown
+            log.debug("zerospeed config (resolved, every default in force):\n%s", cfg.to_json())
         if layer_drop is not None:
             log.info("progressive layer drop: theta(t) = (1 - %g) * exp(-%g * t) + %g, passed to the model's "
                      "training forwards as pld_theta", layer_drop.theta, layer_drop.gamma, layer_drop.theta)
@@ -335,11 +340,39 @@ def config_line(cfg: Config, training: TrainingPolicy) -> str:
     and how to see all of it (DeepSpeed prints every key at start-up; here that dump is at DEBUG)."""
     batch, micro = training.train_batch_size, training.train_micro_batch_size_per_gpu
     accum = training.gradient_accumulation_steps
-    features = ", ".join(cfg.features_in_use()) or "none"
+    features = ", ".join(features_beyond_defaults(cfg)) or "none"
     return (f"zerospeed config (resolved): batch {batch} = micro {micro} x accumulation {accum} x "
             f"{batch // (micro * accum)} data-parallel rank(s), {cfg.precision.value}, ZeRO stage "
-            f"{cfg.zero_optimization.stage}; features in use: {features} (the full config is logged "
-            f"at DEBUG: {LOG_LEVEL_ENV}=debug, or logging.getLogger('zerospeed').setLevel(logging.DEBUG))")
+            f"{cfg.zero_optimization.stage}; features beyond the defaults: {features} (the full config is "
+            f"logged at DEBUG: {LOG_LEVEL_ENV}=debug, or logging.getLogger('zerospeed').setLevel(logging.DEBUG))")
+
+
+def features_beyond_defaults(cfg: Config) -> tuple[str, ...]:
+    """``cfg.features_in_use()`` less what a config of defaults uses with the same value.
+
+    ``features_in_use`` names what is switched on, and one default is on: gradient_clipping 1.0 (DeepSpeed
+    0.19.8's default), so every config "used" clipping whether it mentioned it or not. A feature that a
+    config of defaults also uses is kept only where its value differs from the default (clipping at 0.5);
+    a config that restates a default is taken as not asking.
+    """
+    defaults = load_config({"train_micro_batch_size_per_gpu": 1}, world_size=1)
+    on_by_default = set(defaults.features_in_use())
+    if not on_by_default:
+        return cfg.features_in_use()
+    mine, default = cfg.to_dict(), defaults.to_dict()
+    return tuple(feature for feature in cfg.features_in_use()
+                 if feature not in on_by_default
+                 or _at_key(mine, feature.partition("=")[0]) != _at_key(default, feature.partition("=")[0]))
+
+
+def _at_key(config: dict[str, Any], dotted: str) -> Any:
+    """The value at a dotted key path of a config dict (``None`` where it is absent)."""
+    value: Any = config
+    for name in dotted.split("."):
+        if not isinstance(value, dict):
+            return None
+        value = value.get(name)
+    return value
 
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")

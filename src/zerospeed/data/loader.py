@@ -76,14 +76,17 @@ def small_dataset_warning(samples: int, *, micro_batch_size: int, gradient_accum
 class DistributedLoader:
     """Micro-batches of this rank's shard of ``dataset``, an epoch at a time.
 
-    ``gradient_accumulation_steps`` only sizes the global batch for the warning (rank 0, once) that the
-    dataset is smaller than one global batch (:func:`small_dataset_warning`).
+    ``gradient_accumulation_steps`` only sizes the global batch for the warning that the dataset is
+    smaller than one global batch (:func:`small_dataset_warning`). ``warn`` says whether this process
+    logs it; by default the loader of data-parallel rank 0 does. ``zerospeed.initialize`` passes
+    "global rank 0", since with pipeline or tensor parallelism every stage and tensor rank has a
+    data-parallel rank 0 and the job would warn once per stage.
     """
 
     def __init__(self, dataset: Dataset, *, micro_batch_size: int, rank: int, world_size: int,
                  collate_fn: Callable[[list[Any]], Any] | None = None, drop_last: bool = False,
                  shuffle: bool = True, seed: int = 0, num_workers: int = 0, pin_memory: bool = False,
-                 gradient_accumulation_steps: int = 1):
+                 gradient_accumulation_steps: int = 1, warn: bool | None = None):
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size={micro_batch_size} must be >= 1 "
                              f"(train_micro_batch_size_per_gpu in the config)")
@@ -91,7 +94,7 @@ class DistributedLoader:
             raise ValueError(f"rank {rank} is outside the data-parallel world of {world_size}")
         if gradient_accumulation_steps < 1:
             raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps} must be >= 1")
-        if rank == 0 and isinstance(dataset, Sized):
+        if (rank == 0 if warn is None else warn) and isinstance(dataset, Sized):
             warning = small_dataset_warning(len(dataset), micro_batch_size=micro_batch_size,
                                             gradient_accumulation_steps=gradient_accumulation_steps,
                                             world_size=world_size, drop_last=drop_last)

@@ -6,8 +6,9 @@ The names below are imported on first use (PEP 562), so importing a torch-free s
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from zerospeed._lazy_submodules import lazy_attributes as _lazy_attributes
 
 if TYPE_CHECKING:
     from zerospeed.distributed.comm import CollectiveError, CollectiveTimeout, Comm, CommCounts, CommStats, Handle
@@ -26,13 +27,4 @@ __all__ = [
     "init_distributed", "shutdown_distributed", "Mesh", "ParallelDims",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'zerospeed.distributed' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = _lazy_attributes(__name__, _LAZY, public=__all__)

@@ -241,11 +241,13 @@ def split_script(argv: Sequence[str]) -> tuple[list[str], str | None, list[str]]
 def plan_from_args(argv: Sequence[str], *, environ: Mapping[str, str] | None = None) -> LaunchPlan:
     """Parse ``argv`` and resolve it against this machine (hostfile, CUDA devices).
 
-    Everything that needs no device count is checked first; torch is imported to count CUDA devices
-    only when the plan depends on the count (no --num_procs and no hostfile, or --include/--exclude
-    picking devices), so a usage error never waits for torch.
+    Everything that needs no device count is checked first (:func:`check_request` once, then the
+    hostfile, the plan itself when the pool's size is known, and --include/--exclude's syntax when it is
+    not); torch is imported to count CUDA devices only when the plan depends on the count (no
+    --num_procs and no hostfile, or --include/--exclude picking devices), so a usage error never waits
+    for torch.
     """
-    from zerospeed.launcher.hostfile import read_hostfile
+    from zerospeed.launcher.hostfile import LOCALHOST, check_filter, read_hostfile
 
     environ = os.environ if environ is None else environ
     options, script, script_args = split_script(argv)
@@ -281,9 +283,13 @@ def plan_from_args(argv: Sequence[str], *, environ: Mapping[str, str] | None = N
             default_local_slots=1,
             cuda_available=False,
             inherited_visible_devices=environ.get("CUDA_VISIBLE_DEVICES"),
+            checked=True,
         )
         if not (request.include or request.exclude):
             return plan
+    else:
+        # This machine's pool ('localhost') is sized by the CUDA count: refuse a malformed filter first.
+        check_filter(request.include, request.exclude, [LOCALHOST])
     cuda_count = _cuda_device_count()
     return resolve_plan(
         request,
@@ -291,6 +297,7 @@ def plan_from_args(argv: Sequence[str], *, environ: Mapping[str, str] | None = N
         default_local_slots=max(cuda_count, 1),
         cuda_available=cuda_count > 0,
         inherited_visible_devices=environ.get("CUDA_VISIBLE_DEVICES"),
+        checked=True,
     )
 
 

@@ -12,13 +12,14 @@ Everything here is a function from text to values so it can be tested without pr
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 from zerospeed.launcher.errors import HostfileError, ResourceFilterError
 
 __all__ = [
     "LOCALHOST",
+    "check_filter",
     "local_resources",
     "parse_hostfile",
     "parse_inclusion_exclusion",
@@ -125,9 +126,7 @@ def parse_inclusion_exclusion(
     include = include or ""
     exclude = exclude or ""
     if include and exclude:
-        raise ResourceFilterError(
-            f"--include {include!r} and --exclude {exclude!r} are mutually exclusive; use only one"
-        )
+        raise _both_filters(include, exclude)
     selected = {host: list(range(slots)) for host, slots in resources.items()}
     if not include and not exclude:
         return selected
@@ -148,16 +147,47 @@ def parse_inclusion_exclusion(
             if kept:
                 result[host] = kept
         if not result:
-            raise ResourceFilterError(
-                f"--exclude {exclude!r} removes every slot on every host; nothing is left to run on"
-            )
+            raise _nothing_left(exclude)
     return {host: sorted(slots) for host, slots in result.items()}
 
 
+def check_filter(include: str | None, exclude: str | None, hosts: Collection[str]) -> None:
+    """Reject an ``--include``/``--exclude`` that is wrong whatever each host's slot count: both given,
+    bad syntax, a host not in ``hosts``, an exclude of every host whole.
+
+    The launcher calls it before it counts CUDA devices to size this machine's pool (which imports
+    torch: seconds on a busy machine), so a malformed filter is refused at once; the slot ids are
+    checked against the counts by :func:`parse_inclusion_exclusion` afterwards.
+    """
+    include = include or ""
+    exclude = exclude or ""
+    if include and exclude:
+        raise _both_filters(include, exclude)
+    if not include and not exclude:
+        return
+    flag, text = ("--include", include) if include else ("--exclude", exclude)
+    requested = _parse_filter(text, flag, dict.fromkeys(hosts))
+    if exclude and all(host in requested and requested[host] is None for host in hosts):
+        raise _nothing_left(exclude)
+
+
+def _both_filters(include: str, exclude: str) -> ResourceFilterError:
+    return ResourceFilterError(
+        f"--include {include!r} and --exclude {exclude!r} are mutually exclusive; use only one"
+    )
+
+
+def _nothing_left(exclude: str) -> ResourceFilterError:
+    return ResourceFilterError(
+        f"--exclude {exclude!r} removes every slot on every host; nothing is left to run on"
+    )
+
+
 def _parse_filter(
-    text: str, flag: str, resources: Mapping[str, int]
+    text: str, flag: str, resources: Mapping[str, int | None]
 ) -> dict[str, list[int] | None]:
-    """Parse ``host[:s,s]@host...`` into ``host -> slots`` (``None`` = the whole host), validated."""
+    """Parse ``host[:s,s]@host...`` into ``host -> slots`` (``None`` = the whole host), validated
+    (slot ids against the host's count, unless that is ``None``: not known yet)."""
     requested: dict[str, list[int] | None] = {}
     for part in text.split("@"):
         node = part.strip()
@@ -184,8 +214,8 @@ def _parse_filter(
     return requested
 
 
-def _parse_slots(slot_text: str, host: str, flag: str, text: str, count: int) -> list[int]:
-    """Parse ``0,2,3`` for one host and check every id is below the host's slot count."""
+def _parse_slots(slot_text: str, host: str, flag: str, text: str, count: int | None) -> list[int]:
+    """Parse ``0,2,3`` for one host and check every id is below the host's slot count (if known)."""
     items = [item.strip() for item in slot_text.split(",")]
     if not slot_text.strip() or any(not item for item in items):
         raise ResourceFilterError(
@@ -199,7 +229,7 @@ def _parse_slots(slot_text: str, host: str, flag: str, text: str, count: int) ->
                 f"{flag} {text!r}: slot {item!r} on host {host!r} is not a non-negative integer"
             )
         slot = int(item)
-        if slot >= count:
+        if count is not None and slot >= count:
             raise ResourceFilterError(
                 f"{flag} {text!r}: slot {slot} on host {host!r} is out of range; "
                 f"{host!r} has {count} slot{'s' if count != 1 else ''} (ids 0..{count - 1})"

@@ -86,14 +86,18 @@ def resolve_plan(
     default_local_slots: int,
     cuda_available: bool = False,
     inherited_visible_devices: str | None = None,
+    checked: bool = False,
 ) -> LaunchPlan:
     """Apply DeepSpeed's resource rules to ``request`` and reject what we cannot launch yet.
 
     Without a hostfile the pool is ``localhost`` with ``--num_procs`` slots (default
     ``default_local_slots``: the CUDA device count, or 1). With a hostfile, --include/--exclude
     select slots, --num_nodes keeps the first K hosts and --num_procs the first N slots per host.
+    ``checked=True`` skips :func:`check_request`, for a caller that ran it already (the launcher does,
+    once, before it may import torch).
     """
-    check_request(request)
+    if not checked:
+        check_request(request)
     filtering = bool(request.include or request.exclude)
     if hostfile_resources is None:
         pool = local_resources(request.num_procs or default_local_slots)
@@ -128,7 +132,8 @@ def check_request(request: LaunchRequest) -> None:
     """Reject what is wrong whatever the machine holds (counts, ports, conflicting flags, multi-node).
 
     Needs no hostfile and no device count, so the launcher calls it before importing torch to count
-    CUDA devices: a usage error is reported at once. :func:`resolve_plan` calls it too.
+    CUDA devices: a usage error is reported at once. :func:`resolve_plan` calls it too (unless told
+    ``checked=True``).
     """
     _check_counts(request)
     if (request.include or request.exclude) and (request.num_procs is not None or request.num_nodes is not None):

@@ -135,14 +135,16 @@ def run_local(plan: LaunchPlan, *, log: TextIO | None = None) -> int:
 
     Worker stdout/stderr are inherited, so a failing rank's traceback appears in our output as it
     happens. On failure the agent terminates the other ranks and we return the failed rank's exit
-    code (128 + signal number if it was killed by a signal).
+    code (128 + signal number if it was killed by a signal). The port is chosen before torch is
+    imported (sockets only), so a busy ``--master_port`` is refused at once.
     """
+    log = sys.stderr if log is None else log
+    port = choose_master_port(plan.master_port, log=log)
+
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    log = sys.stderr if log is None else log
-    port = choose_master_port(plan.master_port, log=log)
     host = f"[{plan.master_addr}]" if ":" in plan.master_addr else plan.master_addr
     with tempfile.TemporaryDirectory(prefix=RUN_DIR_PREFIX) as run_dir, _patched_environ(
         _worker_environ(plan, os.environ)

@@ -3,22 +3,27 @@
 The launcher runs torch's elastic agent in its own process. If that process dies without running its
 shutdown (SIGKILL, the OOM killer), nothing told the ranks: they trained and saved on for as long as
 they lived, and the launch's temporary folder stayed. Each rank's command is therefore
-``python -S worker_guard.py --launcher-pid L ... -- <the rank's real command>``. The guard
+``python -I -S worker_guard.py --launcher-pid L ... -- <the rank's real command>``. The guard
 
 1. opens a pidfd on the launcher (checking its start time, so a recycled PID is not taken for it)
-   and one on itself;
+   and one on itself, and takes the rank's shared lock on the run folder (below);
 2. forks a small *watcher* process, detached into its own session (so the launcher's group signals
-   and a shell's ``wait`` never meet it), which inherits both pidfds;
-3. replaces itself with the real command by ``exec``, so the rank keeps the PID, the process
-   group, the environment, the ``sys.argv``/``__main__``/``sys.path`` and the exit status that the
-   agent and the user's script see today. Nothing runs inside the user's process, so scripts that
-   never import zerospeed, ``-m`` modules and ``--no_python`` executables are covered alike. The
-   price is one idle interpreter (about 10 MB) per rank.
+   and a shell's ``wait`` never meet it), which inherits both pidfds and the lock;
+3. resets SIGPIPE and SIGXFSZ (below) and replaces itself with the real command by ``exec``, so the
+   rank keeps the PID, the process group, the environment, the ``sys.argv``/``__main__``/``sys.path``
+   and the exit status that the agent and the user's script see today. Nothing runs inside the
+   user's process, so scripts that never import zerospeed, ``-m`` modules and ``--no_python``
+   executables are covered alike. The price is one idle interpreter (about 10 MB) per rank while it
+   runs.
 
-The watcher sleeps on the two pidfds. When the rank ends first it waits for the launcher too (which
-normally removes the folder itself moments later) and exits. When the launcher ends first it does
-what the agent would have done: SIGTERM to the rank's process group (user handlers run), SIGKILL
-after the same grace the agent uses, then helps remove the run folder.
+The watcher sleeps on the two pidfds. When the rank ends first it waits until the launcher is gone
+*or* has removed the run folder itself (its normal cleanup: the watcher sees the lock file it holds
+unlinked, checking every :data:`_CLEANUP_POLL_S` seconds), so that a launch called from a process
+that lives on (a notebook, a sweep calling ``main()`` in a loop) leaves no idle watcher behind; a
+guard given no run folder has nothing to clean, and its watcher exits with the rank. When the
+launcher ends first the watcher does what the agent would have done: SIGTERM to the rank's process
+group (user handlers run), SIGKILL after the same grace the agent uses, then helps remove the run
+folder.
 
 Why not ``prctl(PR_SET_PDEATHSIG)``: it fires when the parent *thread* exits, and torch starts the
 workers from whichever thread called the agent (``PContext.start`` even warns about a non-main
@@ -37,22 +42,33 @@ could not finish anyway: it commits through the rendezvous store, which lived in
 
 The run folder: every watcher holds a shared ``flock`` on ``<run dir>/ranks.lock`` until both its
 rank and the launcher have ended; then it releases it and tries to take it exclusively without
-blocking. Only the watcher that releases last gets it, and removes the folder. A launcher that
-lives removes the folder itself as before (the watchers then find it gone); one killed after its
-ranks ended but before its cleanup is covered too, since the watchers wait for it.
+blocking. Only the watcher that releases last gets it, and removes the folder. The guard takes the
+shared lock itself, before it forks the watcher and before the rank's command runs: ``flock``
+belongs to the open file, so the watcher's inherited descriptor keeps it after the guard closes its
+own copy before the ``exec``. Taken later, in the watcher, a sibling whose rank ended
+could count itself last while this rank already ran, and a late ``O_CREAT`` could put
+``ranks.lock`` back into a folder the launcher was removing ("directory not empty"); the lock file
+is therefore only ever created by a guard whose launcher still lives. A launcher that lives
+removes the folder itself as before (the watchers then find it gone); one killed after its ranks
+ended but before its cleanup is covered too, since the watchers wait for it.
 
-This file runs by path with ``-S`` (no site-packages: a fast start, and no ``sitecustomize`` run
-twice), so it imports only the standard library; zerospeed need not even be importable by the
-rank's interpreter.
+The rank's signal dispositions are what ``subprocess`` gives a child (``restore_signals``): Python
+starts with SIGPIPE and SIGXFSZ ignored, an ignore survives ``exec``, and torch's ``Popen`` had reset
+both for the rank before this guard sat in between; the guard resets them before its ``exec``.
+
+This file runs by path with ``-I -S`` (isolated: no ``PYTHON*`` variables such as ``PYTHONPATH``, no
+script folder or user site on ``sys.path``; no site-packages: a fast start, and no ``sitecustomize``
+run twice), so it imports only the standard library; zerospeed need not even be importable by the
+rank's interpreter. The rank's command still gets the environment unchanged.
 """
 
 from __future__ import annotations
 
 import sys
 
-if __name__ == "__main__":
-    # Run by path, so this folder is sys.path[0]: drop it before the imports below so that a sibling
-    # module can never shadow a standard-library one.
+if __name__ == "__main__" and not sys.flags.isolated:
+    # Run by path without -I (by hand), so this folder is sys.path[0]: drop it before the imports
+    # below so that a sibling module can never shadow a standard-library one. (-I leaves it out.)
     del sys.path[0]
 
 import argparse  # noqa: E402
@@ -67,8 +83,8 @@ from collections.abc import Callable, Mapping, Sequence  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
 __all__ = ["LOCK_NAME", "RUN_DIR_PREFIX", "GuardOptions", "ProcessIdentity", "ProcessWatch", "RunDirLock",
-           "guard_argv", "main", "parse_guard_args", "run_dir_problem", "stop_process", "wait_for_any",
-           "watch_rank"]
+           "guard_argv", "main", "parse_guard_args", "restore_signals", "run_dir_problem", "stop_process",
+           "wait_for_any", "wait_for_cleanup", "watch_rank"]
 
 # The launcher's temporary folder starts with this; the watcher refuses to remove any other folder.
 RUN_DIR_PREFIX = "zerospeed-launch-"
@@ -78,6 +94,11 @@ LOCK_NAME = "ranks.lock"
 _POLL_S = 0.2
 # Seconds to wait for a rank to vanish after SIGKILL before giving up on it.
 _KILL_WAIT_S = 5.0
+# Seconds between looks at whether a live launcher has removed the run folder, once the rank ended
+# (one fstat each: the watcher then exits instead of idling until the launcher's process exits).
+_CLEANUP_POLL_S = 0.5
+# Signals Python ignores at start-up and ``subprocess`` (restore_signals) resets for a child.
+_RESTORED_SIGNALS = ("SIGPIPE", "SIGXFSZ")
 # What the rank is called in messages, from the variables torch's agent sets for it.
 _UNKNOWN_RANK = "?"
 
@@ -210,8 +231,8 @@ class RunDirLock:
     """The run folder's ``ranks.lock``: a shared ``flock`` per rank still running, the last one out
     removes the folder (see the module docstring).
 
-    ``flock`` locks belong to the open file and vanish with the process that held them, so a watcher
-    killed outright never blocks the others' cleanup forever.
+    ``flock`` locks belong to the open file and vanish with the last process that holds it, so a
+    watcher killed outright never blocks the others' cleanup forever.
     """
 
     def __init__(self, run_dir: str) -> None:
@@ -221,27 +242,45 @@ class RunDirLock:
         self.run_dir = run_dir
         self._fd: int | None = None
 
-    def hold(self) -> None:
-        """Take this rank's shared lock (blocking only while a last watcher is removing the folder)."""
-        self._fd = self._open()
-        if self._fd is not None:
-            fcntl.flock(self._fd, fcntl.LOCK_SH)
+    def hold(self) -> bool:
+        """Take this rank's shared lock (blocking only while a last watcher is removing the folder);
+        False when the folder is gone already.
+
+        Creates the lock file: call it only before the rank starts (its launcher still lives, so the
+        folder is not being removed by the launcher's cleanup), never later.
+        """
+        try:
+            fd = os.open(os.path.join(self.run_dir, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        self._fd = fd
+        if self.removed():  # a last watcher removed the folder while we waited for the lock
+            self.close()
+            return False
+        return True
+
+    def removed(self) -> bool:
+        """Whether the lock file we hold has been unlinked (the folder was removed: by the launcher's own
+        cleanup, or by a last watcher). False when we hold none."""
+        return self._fd is not None and os.fstat(self._fd).st_nlink == 0
 
     def remove_if_last(self) -> bool:
         """Give up our share; if nobody else holds one, remove the run folder. True if we removed it.
 
-        Unlock-then-try is deliberate: of watchers releasing at the same time, the last to unlock
+        Needs a share taken by :meth:`hold` (without one it does nothing, and never creates the lock
+        file). Unlock-then-try is deliberate: of watchers releasing at the same time, the last to unlock
         finds no other share (or one holding it exclusively, which then removes the folder), so the
-        folder is removed exactly once.
+        folder is removed exactly once. A lock file already unlinked means the folder is gone.
         """
         if self._fd is None:
-            self._fd = self._open()
-            if self._fd is None:  # the folder is gone already
-                return False
+            return False
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            return False
+        if self.removed():
             return False
         shutil.rmtree(self.run_dir, ignore_errors=True)
         return True
@@ -250,13 +289,6 @@ class RunDirLock:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-
-    def _open(self) -> int | None:
-        try:
-            flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
-            return os.open(os.path.join(self.run_dir, LOCK_NAME), flags, 0o600)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
 
 
 @dataclass(frozen=True)
@@ -272,7 +304,7 @@ class GuardOptions:
 def guard_argv(launcher: ProcessIdentity, command: Sequence[str], *, run_dir: str | None,
                grace_s: float) -> list[str]:
     """Interpreter arguments that run ``command`` under this guard (``python <these>``)."""
-    argv = ["-S", os.path.abspath(__file__), "--launcher-pid", str(launcher.pid)]
+    argv = ["-I", "-S", os.path.abspath(__file__), "--launcher-pid", str(launcher.pid)]
     if launcher.start is not None:
         argv += ["--launcher-start", launcher.start]
     if run_dir is not None:
@@ -303,10 +335,18 @@ def parse_guard_args(argv: Sequence[str]) -> GuardOptions:
 
 
 def _say(message: str) -> None:
-    """One line on stderr; a closed stderr (the launcher's pipe reader died with it) is no error."""
+    """One line on stderr; a closed stderr (the launcher's pipe reader died with it) is no error.
+
+    One ``write`` of the whole line: ``print`` writes the text and the newline separately, so two
+    watchers speaking at once interleaved ("...SIGTERMzerospeed: ...rank 1..." then two newlines). One
+    write of up to PIPE_BUF bytes to a pipe is atomic, and so is one to a file whose descriptor the
+    writers share; a longer message (a traceback) is finished in further writes.
+    """
+    data = (message + "\n").encode("utf-8", "replace")
     try:
-        print(message, file=sys.stderr, flush=True)
-    except (OSError, ValueError):
+        while data:
+            data = data[os.write(2, data):]
+    except OSError:
         pass
 
 
@@ -345,12 +385,10 @@ def _signal(watch: ProcessWatch, sig: signal.Signals, *, group: bool) -> None:
         pass
 
 
-def watch_rank(rank: ProcessWatch, launcher: ProcessWatch, *, run_dir: str | None, grace_s: float,
+def watch_rank(rank: ProcessWatch, launcher: ProcessWatch, *, lock: RunDirLock | None, grace_s: float,
                group: bool, label: str) -> None:
-    """The watcher's whole life: see the module docstring."""
-    lock = RunDirLock(run_dir) if run_dir is not None else None
-    if lock is not None:
-        lock.hold()
+    """The watcher's whole life: see the module docstring. ``lock`` is the run folder's, already held
+    (``None``: no folder to clean up); it is closed on return."""
     try:
         ended = wait_for_any([rank, launcher], None)
         if launcher in ended and rank not in ended:
@@ -358,14 +396,24 @@ def watch_rank(rank: ProcessWatch, launcher: ProcessWatch, *, run_dir: str | Non
                  f"(pid {rank.identity.pid}) with SIGTERM")
             stop_process(rank, group=group, grace_s=grace_s, label=label)
         elif launcher not in ended:
-            # The rank ended under a live launcher, which removes the folder itself as it exits;
-            # wait for it anyway, in case it is killed before it gets there.
-            wait_for_any([launcher], None)
+            if lock is None:  # nothing of ours to clean up: nothing to wait for
+                return
+            # The rank ended under a live launcher, which removes the folder itself when its run ends;
+            # wait for that, or for the launcher to die before it gets there.
+            wait_for_cleanup(launcher, lock)
         if lock is not None:
             lock.remove_if_last()
     finally:
         if lock is not None:
             lock.close()
+
+
+def wait_for_cleanup(launcher: ProcessWatch, lock: RunDirLock, poll_s: float = _CLEANUP_POLL_S) -> None:
+    """Return once the launcher has ended or has removed the run folder (the lock file we hold is
+    unlinked), looking at the folder every ``poll_s`` seconds (one ``fstat``) and woken at once by the
+    launcher's end."""
+    while not lock.removed() and not wait_for_any([launcher], poll_s):
+        pass
 
 
 def _start_detached(task: Callable[[], None]) -> None:
@@ -400,26 +448,44 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     environ = os.environ if environ is None else environ
     label = _rank_label(environ)
     launcher = ProcessWatch(options.launcher)
+    lock = RunDirLock(options.run_dir) if options.run_dir is not None else None
     if launcher.ended():
         _say(f"zerospeed: the launcher (pid {options.launcher.pid}) is gone; not starting {label}")
-        if options.run_dir is not None:
-            lock = RunDirLock(options.run_dir)
+        if lock is not None:
             try:
-                lock.remove_if_last()
+                if lock.hold():
+                    lock.remove_if_last()
             finally:
                 lock.close()
         return 1
+    # The share is taken here, before the fork and the exec (see the module docstring); the watcher
+    # inherits it, and keeps it when we close our own copy of the descriptor below.
+    if lock is not None and not lock.hold():
+        lock = None  # the folder is gone already: the watcher watches, but has nothing to clean
     rank = ProcessWatch(ProcessIdentity.of(os.getpid()))
     group = os.getpgrp() == os.getpid()
-    _start_detached(lambda: watch_rank(rank, launcher, run_dir=options.run_dir, grace_s=options.grace_s,
-                                       group=group, label=label))
+    _start_detached(lambda: watch_rank(rank, launcher, lock=lock, grace_s=options.grace_s, group=group,
+                                       label=label))
     rank.close()
     launcher.close()
+    if lock is not None:
+        lock.close()  # the watcher's descriptor keeps the shared lock (flock belongs to the open file)
+    restore_signals()
     try:
         os.execvp(options.command[0], list(options.command))
     except OSError as exc:
         _say(f"zerospeed: cannot run {options.command[0]!r} for {label}: {exc.strerror or exc}")
     return 127
+
+
+def restore_signals() -> None:
+    """Give the signals Python ignores at start-up back their default action, as ``subprocess`` does
+    for a child (``restore_signals=True``): an ignored disposition survives ``exec``, and the rank
+    must see a closed pipe (SIGPIPE) and a file-size limit (SIGXFSZ) as it would without this guard."""
+    for name in _RESTORED_SIGNALS:
+        number = getattr(signal, name, None)
+        if number is not None:
+            signal.signal(number, signal.SIG_DFL)
 
 
 if __name__ == "__main__":
