@@ -8,6 +8,7 @@ RNG/data-position file, an untouched copy); the rest reads copies of those check
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -269,3 +270,113 @@ def test_checksums_of_pieces_on_the_helper_thread_are_in_order(tmp_path: Path, m
         assert reader.read_into("v", out, crc=0) == sums["v"] and torch.equal(out, values)
         cast = torch.empty(9_000)  # read through the cast buffer, piece by piece
         assert reader.read_into("h", cast, crc=0) == sums["h"] and torch.equal(cast, values[:9_000].half().float())
+
+
+# -- each byte read once (convert reads chunk by chunk; a load at the same topology reads whole tensors) ----------
+def _count_reads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int]]:
+    """Record every ``(file, offset, bytes)`` a :class:`SafetensorsReader` reads from here on (tensor data and
+    checksums; the header is read when the file is opened)."""
+    reads: list[tuple[str, int, int]] = []
+    original = SafetensorsReader._pread_into
+
+    def counting(self: SafetensorsReader, buffer: Any, offset: int) -> None:
+        reads.append((self.path, offset, memoryview(buffer).nbytes))
+        original(self, buffer, offset)
+
+    monkeypatch.setattr(SafetensorsReader, "_pread_into", counting)
+    return reads
+
+
+def _read_once(reads: list[tuple[str, int, int]]) -> bool:
+    """Whether no byte of any file was read twice."""
+    by_file: dict[str, list[tuple[int, int]]] = {}
+    for path, offset, nbytes in reads:
+        by_file.setdefault(path, []).append((offset, offset + nbytes))
+    return all(a[1] <= b[0] for ranges in by_file.values() for a, b in zip(sorted(ranges), sorted(ranges)[1:]))
+
+
+def _stored_bytes(tag_dir: Path, kinds: tuple[str, ...] | None = None) -> int:
+    """The bytes of the stored tensors of ``kinds`` (all: None) in rank 0's file."""
+    with SafetensorsReader(tag_dir / layout.rank_file(0)) as reader:
+        return sum(e.end - e.begin for name, e in reader.entries.items()
+                   if kinds is None or name.split(":")[0] in kinds)
+
+
+def test_convert_in_chunks_reads_each_byte_once(saved: tuple[Path, dict[str, Any]], tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """16-element chunks: 0.weight (48 elements) comes in 3 reads, 2.weight (24) in 2; the running CRC-32
+    checks them as they go, instead of a whole-tensor check before the first chunk (which read them twice)."""
+    root, out = saved
+    reads = _count_reads(monkeypatch)
+    convert_checkpoint(str(root / "good"), str(tmp_path / "out"), chunk_bytes=64)
+    assert sum(n for _, _, n in reads) == _stored_bytes(root / "good" / "global_step3", ("master",))
+    assert _read_once(reads)
+    with SafetensorsReader(tmp_path / "out" / "model.safetensors") as written:
+        assert {k: written.read(k).reshape(-1).tolist() for k in written.entries} == out["saved"]
+
+
+def test_convert_in_chunks_refuses_a_flipped_bit_in_the_last_chunk(saved: tuple[Path, dict[str, Any]],
+                                                                   tmp_path: Path) -> None:
+    """The mismatch shows at the last chunk's read, after earlier chunks were written: the same message, and
+    the partial output is removed."""
+    root, _ = saved
+    bad = _copy(root / "good", tmp_path / "bad")
+    _flip_bit(bad / "global_step3", MASTER, element=20)  # 2.weight's second chunk holds elements 16-23
+    with pytest.raises(CheckpointError) as raised:
+        convert_checkpoint(str(bad), str(tmp_path / "out"), chunk_bytes=64)
+    _assert_names_everything(str(raised.value), bad, MASTER)
+    assert os.listdir(tmp_path / "out") == []
+
+
+def test_parts_out_of_order_or_left_unfinished_are_still_checked(saved: tuple[Path, dict[str, Any]],
+                                                                 tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading in order, a part that does not start where the last read ended checks the whole tensor first,
+    and a tensor read only in part is checked (its rest read once) when the block ends; outside that block a
+    part read from the first element is checked whole first, as a load at another topology needs."""
+    root, _ = saved
+    good, bad = root / "good" / "global_step3", _copy(root / "good", tmp_path / "bad") / "global_step3"
+    _flip_bit(bad, MOMENT, element=40)
+    moment, part = ("optim.exp_avg", "0.weight"), torch.empty(8)
+    with CheckpointSet(str(good)) as ckpt:
+        whole = ckpt.read_param(*moment).reshape(-1)
+    reads = _count_reads(monkeypatch)
+
+    def read(tag_dir: Path, *ranges: tuple[int, int], in_order: bool = True) -> int:
+        """Read ``ranges`` of the moment in one CheckpointSet; the bytes that took."""
+        reads.clear()
+        with CheckpointSet(str(tag_dir)) as ckpt, ckpt.reading_in_order() if in_order else contextlib.nullcontext():
+            for start, end in ranges:
+                ckpt.read_range(*moment, start, end, part)
+                assert torch.equal(part, whole[start:end])
+        return sum(n for _, _, n in reads)
+
+    assert read(good, (8, 16)) == 48 * 4 + 8 * 4  # from the middle: the whole tensor first
+    assert read(good, (0, 8), (16, 24)) == 48 * 4 + 8 * 4 + 8 * 4  # out of order: the same
+    assert read(good, (0, 8), (8, 16)) == 48 * 4 and _read_once(reads)  # in order: the rest at the block's end
+    assert read(good, (0, 8), in_order=False) == 48 * 4 + 8 * 4
+    message = re.escape(f"tensor {MOMENT!r} in {bad / layout.rank_file(0)} does not match its checksum")
+    for ranges, in_order in ([((8, 16),), True], [((0, 8), (16, 24)), True], [((0, 8),), False]):
+        with pytest.raises(CheckpointError, match=message):
+            read(bad, *ranges, in_order=in_order)
+        assert sum(n for _, _, n in reads) == 48 * 4 + (8 * 4 if len(ranges) == 2 else 0)  # nothing after
+    reads.clear()
+    with CheckpointSet(str(bad)) as ckpt:
+        with pytest.raises(CheckpointError, match=message):
+            with ckpt.reading_in_order():
+                ckpt.read_range(*moment, 0, 8, part)  # the flipped bit is in the rest, read as the block ends
+        assert sum(n for _, _, n in reads) == 48 * 4
+        with pytest.raises(CheckpointError, match=message):  # not marked checked: refused again
+            ckpt.read_range(*moment, 0, 8, part)
+
+
+def test_a_load_at_the_same_topology_reads_each_byte_once(saved: tuple[Path, dict[str, Any]],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each rank's slots are its saved fragments: every tensor is read whole, its CRC-32 taken in the same
+    pass (no second read for the check)."""
+    root, out = saved
+    engine = _engine()
+    reads = _count_reads(monkeypatch)
+    engine.load_checkpoint(str(root / "good"))
+    assert _params(engine) == out["saved"]
+    assert sum(n for _, _, n in reads) == _stored_bytes(root / "good" / "global_step3") and _read_once(reads)

@@ -186,3 +186,78 @@ def test_a_full_checkpoint_disk_names_tag_path_and_bytes_on_the_failing_rank(tmp
     written = sum(f.stat().st_size for f in saved.iterdir() if f.name.startswith("rank0") or f.name.startswith("engine"))
     params = sum(p.numel() for p in engine.module.parameters())
     assert params * 4 < needed < written  # the tensors and pickled state, without headers and index
+
+
+# -- in process, monkeypatched (no root needed) ----------------------------------------------------
+
+def test_a_full_disk_at_the_commit_raises_the_message_the_peers_are_told(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """ENOSPC at rank 0's manifest write: a CheckpointError naming the tag, the folder and the manifest's
+    bytes, with the OSError as its cause, and the very same text published to the other ranks."""
+    from zerospeed.checkpoint import commit, layout
+    from zerospeed.testing import one_process_group
+
+    real_write = layout.write_file_atomic
+    written: dict[str, int] = {}
+
+    def full_at_the_manifest(path: str, data: bytes) -> None:
+        if path.endswith(layout.MANIFEST) and "full" in path:
+            written["manifest"] = len(data)
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        real_write(path, data)
+
+    published: list[tuple[str, str]] = []
+    real_publish = commit.RankSync.publish
+
+    def publish(self: commit.RankSync, step: str, value: str) -> None:
+        published.append((step, value))
+        real_publish(self, step, value)
+
+    monkeypatch.setattr(layout, "write_file_atomic", full_at_the_manifest)
+    monkeypatch.setattr(commit.RankSync, "publish", publish)
+    full = tmp_path / "full"
+    with one_process_group():
+        engine, *_ = zerospeed.initialize(model=seeded_mlp(6, 8, 3), config=_config(
+            zero_section(1, reduce_bucket_size=200, persistence_threshold=10)))
+        with pytest.raises(CheckpointError) as info:
+            engine.save_checkpoint(str(full), tag="step0")
+        engine.destroy()
+    message, needed = str(info.value), written["manifest"]
+    assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == errno.ENOSPC
+    head, free = message.split(" are free there now; ")[0].rsplit(", ", 1)
+    assert head == (f"rank 0 could not commit checkpoint 'step0' in {full} (writing its manifest, renaming it into place "
+                    f"or rewriting 'latest') (ENOSPC: the disk is full: No space left on device); the manifest needs "
+                    f"{format_bytes(needed)} ({needed} bytes)"), message
+    assert free.endswith(" bytes)") and message.endswith(
+        " are free there now; free space there or save to a larger disk (save_checkpoint's save_dir). 'latest' was not "
+        "changed to name it"), message
+    assert ("committed", message) in published  # what every other rank raises, after its own prefix
+    assert not (full / "step0").exists() and not (full / "latest").exists()
+
+
+def test_one_errno_table_explains_refused_writes_for_checkpoints_and_nvme() -> None:
+    """Checkpoint saves and NVMe offload read one table (zerospeed.disk_errors): the same cause for the
+    same errno, each with its own way of moving the files."""
+    from zerospeed import disk_errors
+    from zerospeed.checkpoint.commit import disk_error
+    from zerospeed.checkpoint.layout import save_refusal
+    from zerospeed.offload.nvme import unusable_path
+
+    codes = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM)
+    for code in codes:
+        saved = save_refusal(OSError(code, os.strerror(code)))
+        swapped = disk_errors.refusal(code, to=f"point {OPT_KEY} at", where="NVMe directory")
+        assert saved is not None and swapped is not None and saved.cause == swapped.cause, code
+        assert saved.name == swapped.name == errno.errorcode[code]
+    assert disk_errors.refusal(OSError(errno.EIO, "I/O error"), to="save to") is None
+    assert disk_errors.refusal(ValueError("not a disk"), to="save to") is None
+    assert str(unusable_path(OPT_KEY, Path("/nvme"), Path("/nvme/zerospeed-r/rank0"),
+                             PermissionError(errno.EACCES, "Permission denied"))) == (
+        f"[Errno 13] {OPT_KEY} '/nvme' cannot hold this run's swap files: creating '/nvme/zerospeed-r/rank0' failed "
+        f"with EACCES (this user may not write there); point {OPT_KEY} at another NVMe directory this user can write")
+    error = disk_error(OSError(errno.EROFS, "Read-only file system"), rank=1, tag="step3", directory="/ckpt/.tmp-x",
+                       needed=None)
+    assert str(error) == (
+        "rank 1 could not write its files of checkpoint 'step3' into /ckpt/.tmp-x (EROFS: the file system is mounted "
+        "read-only: Read-only file system); save to a writable directory (save_checkpoint's save_dir) (or remount it "
+        "read-write). The checkpoint was not committed ('latest' is unchanged)")

@@ -7,10 +7,12 @@ ranks is in ``test_nonfinite_steps_ranks.py``."""
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 import zerospeed
 from zerospeed.config import ConfigError, load_config
@@ -235,3 +237,94 @@ def test_the_pipeline_engine_follows_the_same_policy() -> None:
     poison[0] = False
     engine.train_batch(batches)
     assert engine.was_step_applied()
+    # the loss value a non-finite step is named by records no autograd op, even on losses that carry a graph
+    # (the interpreter keeps them detached; this must not depend on it)
+    weight = next(module.parameters())
+    assert engine.last_run is not None
+    engine.last_run.losses = [weight.sum() * NAN, (weight.sum(),)]
+    with _GraphOps() as ops:
+        value = engine._window_loss_value()
+    assert math.isnan(value) and ops.recorded == []
+
+
+class _GraphOps(TorchFunctionMode):
+    """Records the torch functions called in it whose result is part of an autograd graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.recorded: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            self.recorded.append(getattr(func, "__name__", str(func)))
+        return out
+
+
+def test_a_burst_that_ended_is_summarized_at_a_clean_step_once_the_interval_passed() -> None:
+    """40 skips within 40 s, then finite steps: the 35 after the first 5 are summarized by the first finite
+    step 60 s or more after the last line (not before: intermittent ones keep the log's rate), then nothing
+    is left to say; an isolated later one is told the same way."""
+    now = [0.0]
+    steps = NonFiniteSteps(NonFinitePolicy(switch="x"), clock=lambda: now[0])
+
+    def skip(step: int, at: float | None = None) -> str | None:
+        now[0] = float(step) if at is None else at
+        return steps.record(NonFiniteStep(step=step, reason=Reason.NAN_GRADIENT, norm=NAN, loss_scale=1.0,
+                                          next_scale=1.0, skipped=True))
+
+    assert [skip(n) is None for n in range(1, 41)] == [False] * 5 + [True] * 35
+    assert steps.consecutive == 40
+    now[0] = 41.0
+    assert steps.clean_step() is None and steps.consecutive == 0
+    now[0] = 64.9  # 59.9 s after the last line, at step 5
+    assert steps.clean_step() is None
+    now[0] = 65.0
+    assert steps.clean_step() == (
+        "35 steps skipped since the last report, steps 6-40 (35 NaN gradient); the last, step 40: NaN gradient "
+        "(gradient norm nan, loss scale 1); finite steps since, 40 in the run (after the first 5 these are "
+        "summarized every 100 steps or 60 s)")
+    now[0] = 1000.0
+    assert steps.clean_step() is None  # told once
+    assert skip(41, at=200.0) == ("step 41 skipped: NaN gradient (gradient norm nan, loss scale 1); 1 in a row, 41 "
+                                  "in the run")
+    assert skip(42, at=201.0) is None
+    now[0] = 259.0
+    assert steps.clean_step() is None
+    now[0] = 260.0
+    assert steps.clean_step() == ("step 42 skipped: NaN gradient (gradient norm nan, loss scale 1); finite steps "
+                                  "since, 42 in the run")
+
+
+def test_the_engine_logs_the_summary_at_a_clean_step() -> None:
+    """Seven NaN losses (5 lines), then a finite step a minute later: the engine logs the other two."""
+    engine, *_ = zerospeed.initialize(model=TanhMLP(6, 11, 3), config=_config())
+    now = [0.0]
+    engine.nonfinite = NonFiniteSteps(engine.policy.nonfinite, clock=lambda: now[0])
+    with log_messages(logging.WARNING) as warnings:
+        for step in range(7):
+            _train_step(engine, step, torch.float32, "loss")
+        now[0] = 60.0
+        _train_step(engine, 7, torch.float32)
+    assert len(warnings) == 6 and warnings[-1] == (
+        "2 steps skipped since the last report, steps 6-7 (2 NaN loss); the last, step 7: NaN loss (gradient norm "
+        "nan, loss scale 1); finite steps since, 7 in the run (after the first 5 these are summarized every 100 "
+        "steps or 60 s)")
+
+
+def test_a_resume_restarts_the_count_of_consecutive_skips(tmp_path: Any) -> None:
+    """Two skips, then a resume from a checkpoint: the run of skips counted for
+    ``skipped_steps.raise_after_consecutive`` starts again at the resumed steps."""
+    engine, *_ = zerospeed.initialize(model=TanhMLP(6, 11, 3),
+                                      config=_config(skipped_steps={"raise_after_consecutive": 3}))
+    _train_step(engine, 0, torch.float32)
+    engine.save_checkpoint(str(tmp_path))
+    _train_step(engine, 1, torch.float32, "loss")
+    _train_step(engine, 2, torch.float32, "loss")
+    assert engine.nonfinite.consecutive == 2
+    engine.load_checkpoint(str(tmp_path))
+    assert engine.nonfinite.consecutive == 0 and engine.global_steps == 1
+    _train_step(engine, 1, torch.float32, "loss")
+    _train_step(engine, 2, torch.float32, "loss")
+    with pytest.raises(NonFiniteStepsError, match=r"3 steps in a row had a non-finite gradient norm, steps 2-4 "):
+        _train_step(engine, 3, torch.float32, "loss")

@@ -4,6 +4,7 @@ the final parameters within 1e-5 in fp32. Real gloo processes."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -13,8 +14,8 @@ import zerospeed
 from zerospeed.distributed.groups import group_size
 from zerospeed.distributed.mesh import ParallelDims
 from zerospeed.tensor_parallel.layout import tp_layout
-from zerospeed.testing import run_distributed
-from zerospeed.testing.pipe_models import gpt_pipeline, plain_reference, rank_iterator, token_batches
+from zerospeed.testing import log_messages, run_distributed
+from zerospeed.testing.pipe_models import gpt_pipeline, lm_loss, plain_reference, rank_iterator, token_batches
 
 LR, CLIP, STEPS = 1e-2, 0.5, 5
 
@@ -105,13 +106,24 @@ def test_activation_checkpointing_by_interval_keeps_parity() -> None:
 
 def _fp16(dtype: str) -> dict:
     module = gpt_pipeline(2, blocks=2)
+    poison = [False]
+    module.loss_fn = lambda logits, labels: lm_loss(logits, labels) * (float("nan") if poison[0] else 1.0)
     config = _config(4, "1f1b", 1)
     config[dtype] = {"enabled": True, **({"initial_scale_power": 24} if dtype == "fp16" else {})}
     engine, *_ = zerospeed.initialize(model=module, config=config)
-    it = rank_iterator(token_batches(12, 4, 2), 0)
+    it = rank_iterator(token_batches(13, 4, 2), 0)
     losses = [float(engine.train_batch(it)) for _ in range(12)]
-    return {"losses": losses, "skipped": engine.skipped_steps, "scale": engine.cur_scale,
-            "dtype": str(next(module.parameters()).dtype)}
+    out = {"losses": losses, "skipped": engine.skipped_steps, "scale": engine.cur_scale,
+           "dtype": str(next(module.parameters()).dtype)}
+    # a NaN loss on the last stage only: both stages skip the step (the norm is summed over the pipeline)
+    before = [p.detach().clone() for p in module.parameters()]
+    poison[0] = True
+    with log_messages(logging.WARNING) as warnings:
+        engine.train_batch(it)
+    out["nan_step"] = {"skipped": engine.skipped_steps - out["skipped"], "applied": engine.was_step_applied(),
+                       "unchanged": all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True)),
+                       "warnings": warnings}
+    return out
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
@@ -125,3 +137,11 @@ def test_one_loss_scale_agreed_by_every_stage(dtype: str) -> None:
     if dtype == "fp16":
         assert 0 < first["skipped"] < 12 and first["scale"] < 2 ** 24
     assert first["losses"][-1] < first["losses"][first["skipped"]]
+    for stage in (first, last):
+        assert {k: v for k, v in stage["nan_step"].items() if k != "warnings"} == {
+            "skipped": 1, "applied": False, "unchanged": True}
+    if dtype == "bf16":  # the first stage sees a NaN gradient, the last its NaN loss
+        assert first["nan_step"]["warnings"] == [
+            "step 13 skipped: NaN gradient (gradient norm nan, loss scale 1); 1 in a row, 1 in the run"]
+        assert last["nan_step"]["warnings"] == [
+            "rank 1: step 13 skipped: NaN loss (gradient norm nan, loss scale 1); 1 in a row, 1 in the run"]

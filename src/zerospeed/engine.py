@@ -281,13 +281,17 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
     def _note_nonfinite(self, event: NonFiniteStep | None) -> None:
         """Count a finished step in the run of non-finite ones and log its line (rate-limited) on global
         rank 0, and on a rank that saw the non-finite loss itself; raises at
-        ``skipped_steps.raise_after_consecutive`` in a row (on every rank: the decision is agreed)."""
+        ``skipped_steps.raise_after_consecutive`` in a row (on every rank: the decision is agreed). A finite
+        step (``event`` None) logs the summary of non-finite steps left unreported, when one is due."""
         if event is None:
-            self.nonfinite.clean_step()
+            last = self.nonfinite.last_unreported
+            line = self.nonfinite.clean_step()
+        else:
+            last, line = event, self.nonfinite.record(event)
+        if line is None or last is None:
             return
-        line = self.nonfinite.record(event)
         rank = self.comm.global_ranks[self.comm.rank]
-        if line is not None and (rank == 0 or event.reason.value.endswith(" loss")):
+        if rank == 0 or last.reason.value.endswith(" loss"):
             log.warning("%s%s", "" if rank == 0 else f"rank {rank}: ", line)
 
     def _publish_scale(self, overflow: bool = False) -> None:
@@ -304,6 +308,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self.global_steps, self.global_samples = global_steps, global_samples
         self.micro_steps, self.skipped_steps = micro_steps, skipped_steps
         self._skipped_at_print = skipped_steps
+        self.nonfinite.restart_run()  # the steps before the resume are not in a row with the next ones
         self._window_open = False
         self._window_loss = None
 
@@ -390,11 +395,14 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         """Release what the engine holds beyond tensors (as ``DeepSpeedEngine.destroy``): wait for an
         asynchronous save, remove its hooks from the model, stop background threads, delete this
         run's NVMe swap files and close its monitors, and let other jobs save into the folders it saved
-        into. The engine cannot train afterwards."""
-        self.wait_for_checkpoint()
-        self.save_locks.release()
-        self.state.remove_hooks()
-        self.monitor.close()
+        into. The engine cannot train afterwards. A failed asynchronous save is re-raised after the
+        rest is released, so the folder locks do not outlive a destroyed engine."""
+        try:
+            self.wait_for_checkpoint()
+        finally:
+            self.save_locks.release()
+            self.state.remove_hooks()
+            self.monitor.close()
 
     def next_checkpoint_call(self) -> int:
         """Number this save's handshake; every rank counts its saves the same way."""

@@ -6,7 +6,9 @@ asynchronous save without racing the training's collectives, and (b) a rank that
 noticed: the handshake watches where the other ranks are, and fails at once with a clear error when
 one has gone on to a collective instead of saving (``if rank == 0: save_checkpoint(...)``).
 
-Order of a save: handshake (same tag and directory everywhere) -> each rank writes and fsyncs its
+Order of a save: rank 0 takes the folder's lock (:class:`~zerospeed.checkpoint.layout.SaveLocks`) ->
+handshake (same tag and directory everywhere; rank 0's hello carries a refused lock, so a refused job
+stops on every rank before any rank touches the folder) -> each rank writes and fsyncs its
 files into ``<dir>/.tmp-<tag>-<id>`` and reports -> rank 0 writes the manifest, fsyncs, renames the
 directory to ``<dir>/<tag>`` and rewrites ``latest`` -> every rank learns the outcome. Each rank's
 index describes the part of the model it holds; rank 0 merges those into the manifest
@@ -21,7 +23,6 @@ after :data:`PEER_SILENCE_LIMIT` seconds of silence instead of the whole process
 from __future__ import annotations
 
 import datetime
-import errno
 import io
 import json
 import os
@@ -39,6 +40,7 @@ from zerospeed.checkpoint.layout import CheckpointError
 from zerospeed.checkpoint.model_record import merge_records
 from zerospeed.checkpoint.safetensors_io import FileChecksums
 from zerospeed.checkpoint.state_io import RankPayload, StreamedPayload
+from zerospeed.disk_errors import free_bytes
 from zerospeed.tensor_bytes import format_bytes
 
 _POLL = 0.02  # seconds between store polls; store.wait would hold the store client's lock
@@ -240,6 +242,7 @@ class SaveJob:
             os.fsync(f.fileno())
 
     def _commit(self) -> str:
+        manifest_bytes: int | None = None  # known once the manifest is encoded (a disk error's message)
         try:
             statuses = self.sync.gather("written")
             failed = [s for s in statuses.values() if not s.startswith("ok")]
@@ -268,14 +271,21 @@ class SaveJob:
                 manifest["optimizer"]["scalars"] = scalars
                 for g, group in enumerate(manifest["optimizer"]["param_groups"]):
                     group["params"] = sorted(groups[g]) if g < len(groups) else []
-            layout.write_file_atomic(os.path.join(self.tmp_dir, layout.MANIFEST), layout.encode_manifest(manifest))
+            encoded = layout.encode_manifest(manifest)
+            manifest_bytes = len(encoded)
+            layout.write_file_atomic(os.path.join(self.tmp_dir, layout.MANIFEST), encoded)
             layout.fsync_dir(self.tmp_dir)
             final = layout.commit_dir(self.tmp_dir, self.save_dir, self.tag)
             if self.save_latest:
                 layout.write_file_atomic(os.path.join(self.save_dir, layout.LATEST), self.tag.encode())
         except BaseException as exc:
-            self.sync.publish("committed", f"{type(exc).__name__}: {exc}")
+            # a full or read-only disk at the commit: the same clear error here and on every peer
+            error = disk_error(exc, rank=0, tag=self.tag, directory=self.save_dir, needed=manifest_bytes,
+                               committing=True)
+            self.sync.publish("committed", str(error) if error is not None else f"{type(exc).__name__}: {exc}")
             self._collect_acks()
+            if error is not None:
+                raise error from exc
             raise
         self.sync.publish("committed", "ok")
         self._collect_acks()
@@ -292,40 +302,32 @@ class SaveJob:
                 pass
 
 
-# What a file system's refusal means for a save, and the fix, by errno.
-_DISK_ERRORS = {
-    errno.ENOSPC: ("the disk is full", "free space there or save to a larger disk (save_checkpoint's save_dir)"),
-    errno.EDQUOT: ("the disk quota is used up", "free space there or save to another disk (save_checkpoint's "
-                                                "save_dir)"),
-    errno.EFBIG: ("the file is larger than the file system allows", "save to another file system"),
-    errno.EROFS: ("the file system is read-only", "save to a writable directory (save_checkpoint's save_dir)"),
-    errno.EACCES: ("this user may not write there", "save to a directory this user can write"),
-    errno.EPERM: ("this user may not write there", "save to a directory this user can write"),
-}
-
-
-def disk_error(exc: BaseException, *, rank: int, tag: str, directory: str,
-               needed: int | None) -> CheckpointError | None:
-    """``exc`` as a save's :class:`CheckpointError` when it is a file system refusal (see
-    :data:`_DISK_ERRORS`): the rank, the tag, the directory, the bytes the rank writes (``needed``,
-    when known) and those free there; None for any other error (raised as it is)."""
-    if not isinstance(exc, OSError) or exc.errno not in _DISK_ERRORS:
+def disk_error(exc: BaseException, *, rank: int, tag: str, directory: str, needed: int | None,
+               committing: bool = False) -> CheckpointError | None:
+    """``exc`` as a save's :class:`CheckpointError` when it is a file system refusal (the table of
+    :mod:`zerospeed.disk_errors`): the rank, the tag, the directory, the bytes the rank writes
+    (``needed``, when known) and those free there; None for any other error (raised as it is).
+    ``committing``: rank 0's commit failed (the manifest, the rename into place, ``latest``), so the
+    message says that and ``needed`` counts the manifest's bytes."""
+    said = layout.save_refusal(exc)
+    if said is None:
         return None
-    cause, fix = _DISK_ERRORS[exc.errno]
     room = ""
     if needed is not None:
-        room = f"; this rank's files need {format_bytes(needed)} ({needed} bytes)"
-        probe = directory
-        while probe and not os.path.isdir(probe) and os.path.dirname(probe) != probe:
-            probe = os.path.dirname(probe)  # the temporary directory may be gone: its file system then
-        try:
-            free = shutil.disk_usage(probe).free
+        whose = "the manifest needs" if committing else "this rank's files need"
+        room = f"; {whose} {format_bytes(needed)} ({needed} bytes)"
+        free = free_bytes(directory)  # the temporary directory may be gone: its file system then
+        if free is not None:
             room += f", {format_bytes(free)} ({free} bytes) are free there now"
-        except OSError:
-            pass
-    return CheckpointError(f"rank {rank} could not write its files of checkpoint {tag!r} into {directory} "
-                           f"({errno.errorcode[exc.errno]}: {cause}: {exc.strerror or exc}){room}; {fix}. "
-                           f"The checkpoint was not committed ('{layout.LATEST}' is unchanged)")
+    if committing:
+        what = (f"rank {rank} could not commit checkpoint {tag!r} in {directory} (writing its manifest, renaming "
+                 f"it into place or rewriting '{layout.LATEST}')")
+        outcome = f"'{layout.LATEST}' was not changed to name it"
+    else:
+        what = f"rank {rank} could not write its files of checkpoint {tag!r} into {directory}"
+        outcome = f"The checkpoint was not committed ('{layout.LATEST}' is unchanged)"
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+    return CheckpointError(f"{what} ({said.name}: {said.cause}: {reason}){room}; {said.fix}. {outcome}")
 
 
 def serialize(obj: Any) -> bytes:

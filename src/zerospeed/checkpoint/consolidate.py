@@ -196,8 +196,11 @@ def _pack(tensors: list[tuple], limit: int) -> list[list[tuple]]:
 
 
 def _write_shard(ckpt: CheckpointSet, path: str, shard: list[tuple], chunk_bytes: int) -> None:
+    """Stream ``shard``'s tensors into ``path`` chunk by chunk. The chunks of a stored tensor are read
+    in order, so its CRC-32 runs along and the chunk that completes it raises on a mismatch (each byte
+    is read once); written chunks stay in ``path``, which the caller removes on any error."""
     with StreamingWriter(path, [(key, dtype, shape) for key, _, _, dtype, shape in shard],
-                         {"format": "pt"}) as writer:
+                         {"format": "pt"}) as writer, ckpt.reading_in_order():
         for key, kind, name, dtype, shape in shard:
             numel = _nbytes((key, kind, name, dtype, shape)) // torch.empty(0, dtype=dtype).element_size()
             step = max(chunk_bytes // torch.empty(0, dtype=dtype).element_size(), 1)

@@ -57,7 +57,17 @@ def save_checkpoint(engine: CheckpointedEngine, save_dir: str, tag: Any = None, 
     calls_before = comm.calls
     sync = RankSync(comm.store, f"zerospeed/ckpt/{topo.checkpoint_id}/{engine.next_checkpoint_call()}",
                     comm.rank, comm.world_size, comm.timeout)
-    sync.publish("hello", json.dumps([tag, save_dir]))
+    # The committer takes the folder's lock before the handshake, and its outcome rides on its hello:
+    # a job refused there (another job holds the folder) fails on every rank before any rank makes or
+    # writes anything in it, at no extra store round-trip.
+    refused: BaseException | None = None
+    if comm.rank == 0:
+        try:
+            engine.save_locks.acquire(save_dir)
+        except Exception as exc:
+            refused = exc
+    hello = [tag, save_dir] if refused is None else [tag, save_dir, _refusal_text(refused)]
+    sync.publish("hello", json.dumps(hello))
 
     def watch(missing: list[int]) -> None:
         elsewhere = {r: where for r, where in comm.ranks_waiting_beyond(calls_before).items() if r in missing}
@@ -73,8 +83,11 @@ def save_checkpoint(engine: CheckpointedEngine, save_dir: str, tag: Any = None, 
 
     hint = (f" (a rank that skipped the call, e.g. behind `if rank == 0:`, or that is still busy elsewhere: "
             f"ranks are expected within {HANDSHAKE_TIMEOUT:g} s of each other)")
-    hellos = {r: tuple(json.loads(v)) for r, v in
-              sync.gather("hello", watch=watch, timeout=HANDSHAKE_TIMEOUT, hint=hint).items()}
+    said = {r: json.loads(v) for r, v in
+            sync.gather("hello", watch=watch, timeout=HANDSHAKE_TIMEOUT, hint=hint).items()}
+    if refused is not None or len(said.get(0, ())) > 2:  # rank 0 could not take the folder's lock
+        _refuse_everywhere(sync, refused, said[0][-1])
+    hellos = {r: (v[0], v[1]) for r, v in said.items()}
     if len(set(hellos.values())) > 1:
         listing = "; ".join(f"rank {r}: tag {t!r} in {d}" for r, (t, d) in sorted(hellos.items()))
         raise CheckpointError(f"save_checkpoint was called with different tags or directories on different ranks "
@@ -104,14 +117,36 @@ def save_checkpoint(engine: CheckpointedEngine, save_dir: str, tag: Any = None, 
     return job.run()
 
 
+def _refusal_text(exc: BaseException) -> str:
+    """What rank 0 tells the other ranks when it could not take the save folder's lock."""
+    if isinstance(exc, CheckpointError):
+        return str(exc)
+    return f"rank 0 could not lock the save folder: {type(exc).__name__}: {exc}"
+
+
+def _refuse_everywhere(sync: RankSync, refused: BaseException | None, text: str) -> None:
+    """End a save that rank 0 could not lock the folder for, on every rank: the others raise rank 0's
+    message once they have said they read it, and rank 0 waits for that (under the launcher it hosts
+    the store, and a script that dies at once would take it away from ranks still reading)."""
+    if sync.rank != 0:
+        sync.publish("ack", "refused")
+        raise CheckpointError(text)
+    others = list(range(1, sync.world_size))
+    if others:
+        try:
+            sync.gather("ack", ranks=others, timeout=HANDSHAKE_TIMEOUT)
+        except CheckpointError:  # a rank that died meanwhile: the refusal stands
+            pass
+    assert refused is not None  # rank 0 published the refusal
+    raise refused
+
+
 def _prepare(engine: CheckpointedEngine, topo: CheckpointTopology, sync: RankSync, save_dir: str, tmp_dir: str, tag: str, client_state: dict | None,
              save_latest: bool, exclude_frozen_parameters: bool, async_save: bool | None) -> tuple[SaveJob, bool]:
     """This rank's part of a save, ready to run: its temporary directory (leased), the fragments
     (snapshotted for an asynchronous save), and its serialized small state."""
     comm = topo.comm
-    if comm.rank == 0:  # the committer holds the folder against other jobs from its first save there
-        engine.save_locks.acquire(save_dir)
-    os.makedirs(tmp_dir, exist_ok=True)
+    os.makedirs(tmp_dir, exist_ok=True)  # the folder's lock is rank 0's already (see save_checkpoint)
     lease = layout.DirLease(tmp_dir)
     try:
         if comm.rank == 0:

@@ -36,6 +36,8 @@ import time
 import zlib
 from typing import Any, Iterator
 
+from zerospeed.disk_errors import Refusal, refusal
+
 FORMAT = "zerospeed-checkpoint"
 # 2: tensor-parallel parts (``tensor_parallel`` record, ``name#tp<r>of<n>`` fragments); written only by
 # tensor-parallel saves, so every other checkpoint stays version 1 and readable by older releases
@@ -267,8 +269,12 @@ def write_file_atomic(path: str, data: bytes) -> None:
     tmp = f"{path}{TMP_PREFIX}{_owner_tag()}-{threading.get_ident()}"
     while True:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_EX)  # waits out a sweep that claimed it in the instant after its creation
-        if os.fstat(fd).st_nlink:
+        try:
+            _try_flock(fd, fcntl.LOCK_EX)  # waits out a sweep that claimed it in the instant after its creation
+        except BaseException:
+            os.close(fd)
+            raise
+        if _same_file(fd, tmp):
             break
         os.close(fd)  # that sweep deleted it: write a new one
     with open(fd, "wb") as f:
@@ -365,9 +371,16 @@ class DirLease:
     def __init__(self, path: str):
         while True:
             os.makedirs(path, exist_ok=True)
-            fd = os.open(path, os.O_RDONLY)
-            fcntl.flock(fd, fcntl.LOCK_SH)
-            if os.fstat(fd).st_nlink:  # a removed directory has no links left
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:  # swept in the instant after it was made
+                continue
+            try:
+                _try_flock(fd, fcntl.LOCK_SH)  # without flock support no sweep deletes it (see _claim)
+            except BaseException:
+                os.close(fd)
+                raise
+            if _same_file(fd, path):  # not removed (or removed and made again) by a sweep meanwhile
                 break
             os.close(fd)
         self._fd: int | None = fd
@@ -382,7 +395,12 @@ class DirLease:
 def _claim(path: str) -> Iterator[bool]:
     """Yield whether ``path`` (a temporary file or directory) is stale: no process holds a ``flock`` on
     it. While the block runs this sweep holds the exclusive lock, so a writer taking its lock at that
-    moment waits and then sees the path deleted (:class:`DirLease`, :func:`write_file_atomic`)."""
+    moment waits and then sees the path deleted (:class:`DirLease`, :func:`write_file_atomic`).
+
+    Stale only when the lock taken is on the file ``path`` names when the lock is held (it may have been
+    renamed into place and the name reused in between: deleting by name would then delete a live
+    file), and never where the file system does not support ``flock`` (nothing tells a live writer's
+    temporary from a dead one's there)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:  # gone already (renamed into place, or swept by another)
@@ -390,13 +408,40 @@ def _claim(path: str) -> Iterator[bool]:
         return
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield False
-        else:
-            yield True
+            locked = _try_flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # its writer holds it
+            locked = False
+        yield locked and _same_file(fd, path)
     finally:
         os.close(fd)
+
+
+def _try_flock(fd: int, operation: int) -> bool:
+    """``flock(fd, operation)``; False where the file system does not support ``flock`` (some NFS,
+    Lustre and FUSE mounts: ``ENOLCK``, ``EOPNOTSUPP``...), so every caller goes on without the lock
+    rather than failing the save, as docs/checkpoints.md promises. ``BlockingIOError`` (``LOCK_NB``, held
+    elsewhere) and other errors propagate."""
+    try:
+        fcntl.flock(fd, operation)
+    except OSError as exc:
+        if exc.errno in _LOCK_UNSUPPORTED:
+            return False
+        raise
+    return True
+
+
+def _same_file(fd: int, path: str) -> bool:
+    """Whether ``path`` still names the file or directory open as ``fd``: not deleted, and not deleted
+    and made again under the same name. By device and inode rather than ``st_nlink == 0``: an NFS client
+    keeps a deleted file that is still open as ``.nfsXXXX``, with a link. ``stat``, not ``lstat``: the
+    ``open`` that made ``fd`` followed a symbolic link too (with ``lstat`` a linked lock file would never
+    match, and its lock would be retaken forever)."""
+    try:
+        named = os.stat(path)
+    except OSError:
+        return False
+    held = os.fstat(fd)
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
 
 
 class SaveLocks:
@@ -411,6 +456,8 @@ class SaveLocks:
     process ends, even by SIGKILL, so a lock is never stale while its owner lives and never outlives
     it. Another engine of the same process may save into a folder this process holds (a script that
     builds a second engine to resume): its saves go on unlocked, as they are ordered by the script.
+    "This process" is told by :func:`process_identity` in the record, not by host and PID alone, which
+    two containers with one host name and PID namespaces of their own can share.
     A run that saves each checkpoint into a folder of its own (the Hugging Face Trainer's
     ``checkpoint-<step>``) would hold a descriptor per folder: a folder deleted since (checkpoint
     rotation) is let go, and at most :attr:`MAX_HELD` of the most recently used folders stay locked.
@@ -422,54 +469,75 @@ class SaveLocks:
         self.engine_id = engine_id
         self._held: dict[str, int] = {}  # folder (real path) -> descriptor holding its lock
         self._unlocked: set[str] = set()  # folders whose file system refused flock (warned once)
+        self._unnamed: set[str] = set()  # held folders whose lock file lacks this job's record (write failed)
 
     def acquire(self, save_dir: str) -> None:
         """Hold ``save_dir``'s lock (a no-op once held); raise :class:`CheckpointError` naming the holder
-        when another live job holds it."""
+        when another live job holds it, or naming the folder and the fix when the lock file cannot be
+        made there (a folder this user may not write, a read-only or full disk)."""
         key = os.path.realpath(save_dir)
         if key in self._held:
             fd = self._held.pop(key)
-            if os.fstat(fd).st_nlink:  # still the folder's lock file
+            if _same_file(fd, os.path.join(key, SAVE_LOCK)):  # still the folder's lock file
                 self._held[key] = fd  # the most recently used last
+                if key in self._unnamed:  # its record could not be written last time: try again
+                    self._write_record(fd, key, save_dir)
                 return
             os.close(fd)  # the folder was deleted (and made again): lock its new file
+            self._unnamed.discard(key)
         if key in self._unlocked:
             return
-        os.makedirs(save_dir, exist_ok=True)
         path = os.path.join(save_dir, SAVE_LOCK)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            writable = True
-        except PermissionError:  # a lock file another user made: it can still be locked, not rewritten
-            fd, writable = os.open(path, os.O_RDONLY), False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _read_holder(fd)
-            os.close(fd)
-            if holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid():
-                return  # another engine of this process (see the class docstring)
-            raise CheckpointError(_held_elsewhere(save_dir, path, holder)) from None
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno not in _LOCK_UNSUPPORTED:
+        while True:
+            fd, writable = _open_lock_file(save_dir, path)
+            try:
+                locked = _try_flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_holder(fd)
+                os.close(fd)
+                if _is_this_process(holder):
+                    return  # another engine of this process (see the class docstring)
+                raise CheckpointError(_held_elsewhere(save_dir, path, holder)) from None
+            except BaseException:
+                os.close(fd)
                 raise
-            self._unlocked.add(key)
-            log.warning("save_checkpoint: the file system of %s does not support flock (%s), so this job saves "
-                        "there without the folder lock: make sure no other job saves into the same folder",
-                        save_dir, exc)
-            return
+            if not locked:
+                os.close(fd)
+                self._unlocked.add(key)
+                log.warning("save_checkpoint: the file system of %s does not support flock, so this job saves there "
+                            "without the folder lock: make sure no other job saves into the same folder", save_dir)
+                return
+            if _same_file(fd, path):
+                break
+            os.close(fd)  # the folder was deleted between the open and the lock: lock the new one
+        # Held from here on, before anything can fail: a job whose record write fails (a full disk) must
+        # not find its own lock held by "a process that has not written its name" at its next save.
+        self._held[key] = fd
         if writable:
-            record = {"host": socket.gethostname(), "pid": os.getpid(), "job": job_id(),
-                      "engine": self.engine_id,
-                      "since": time.strftime("%Y-%m-%d %H:%M:%S %z")}
+            self._write_record(fd, key, save_dir)
+        for old in [k for k, held in self._held.items() if not _same_file(held, os.path.join(k, SAVE_LOCK))]:
+            os.close(self._held.pop(old))  # the folder was deleted
+            self._unnamed.discard(old)
+        while len(self._held) > self.MAX_HELD:
+            oldest = next(iter(self._held))
+            os.close(self._held.pop(oldest))
+            self._unnamed.discard(oldest)
+
+    def _write_record(self, fd: int, key: str, save_dir: str) -> None:
+        """Write who holds the lock into its file (for another job's refusal). A failure (a full disk)
+        leaves the lock held and is retried at the next save: the save itself then says what failed."""
+        record = {"host": socket.gethostname(), "pid": os.getpid(), "process": process_identity(),
+                  "job": job_id(), "engine": self.engine_id, "since": time.strftime("%Y-%m-%d %H:%M:%S %z")}
+        try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps(record).encode(), 0)
-        self._held[key] = fd
-        for old in [k for k, held in self._held.items() if os.fstat(held).st_nlink == 0]:  # folder deleted
-            os.close(self._held.pop(old))
-        while len(self._held) > self.MAX_HELD:
-            os.close(self._held.pop(next(iter(self._held))))
+        except OSError as exc:
+            self._unnamed.add(key)
+            log.warning("save_checkpoint: this job holds the lock of %s but could not write its name into %s (%s); "
+                        "another job refused there is not told who holds it", save_dir,
+                        os.path.join(save_dir, SAVE_LOCK), exc)
+        else:
+            self._unnamed.discard(key)
 
     def holds(self, save_dir: str) -> bool:
         """Whether this engine holds ``save_dir``'s lock."""
@@ -478,6 +546,7 @@ class SaveLocks:
     def release(self) -> None:
         """Let other jobs save into the folders again (the lock file stays: deleting it would race)."""
         held, self._held = self._held, {}
+        self._unnamed = set()
         for fd in held.values():
             os.close(fd)
 
@@ -494,6 +563,65 @@ def job_id() -> str | None:
         if value and value != "none":
             return value
     return None
+
+
+def process_identity() -> str | None:
+    """This process told apart from every other one on the machine, whatever the host name and PID say:
+    the kernel's boot id, the inode of this process's PID namespace (containers sharing a host name
+    have PID namespaces of their own, and their PIDs collide) and the process's start time in clock
+    ticks after boot (a later process reusing the PID started later). None without Linux's ``/proc``."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold spaces
+        start = fields[19].decode()  # field 22 of proc(5), counted from field 3 (state)
+    except (OSError, IndexError, UnicodeDecodeError):
+        return None
+    return f"{boot}:{namespace}:{start}"
+
+
+def _is_this_process(holder: dict[str, Any]) -> bool:
+    """Whether the lock record ``holder`` was written by this very process (another engine of it): the
+    same host and PID, and where both sides know it the same :func:`process_identity` (a record of an
+    older release has none, and is judged by host and PID as it was then)."""
+    if holder.get("host") != socket.gethostname() or holder.get("pid") != os.getpid():
+        return False
+    theirs, mine = holder.get("process"), process_identity()
+    return theirs is None or mine is None or theirs == mine
+
+
+def _open_lock_file(save_dir: str, path: str) -> tuple[int, bool]:
+    """``(descriptor, writable)`` of ``save_dir``'s lock file, made (with the folder) if missing. A lock
+    file another user made is opened read-only (it can be locked, not rewritten). A folder where it
+    cannot be made is a :class:`CheckpointError` naming the folder, the cause and the fix."""
+    try:
+        os.makedirs(save_dir, exist_ok=True)
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o644), True
+    except PermissionError as exc:
+        try:
+            return os.open(path, os.O_RDONLY), False
+        except OSError:
+            raise _unusable_folder(save_dir, path, exc) from exc
+    except OSError as exc:
+        if save_refusal(exc) is None:
+            raise
+        raise _unusable_folder(save_dir, path, exc) from exc
+
+
+def save_refusal(exc: BaseException) -> Refusal | None:
+    """``exc`` in words (:mod:`zerospeed.disk_errors`) when the file system refused a save's write, with
+    the fix pointing at ``save_checkpoint``'s ``save_dir``; None for other errors."""
+    return refusal(exc, to="save to", note=" (save_checkpoint's save_dir)")
+
+
+def _unusable_folder(save_dir: str, path: str, exc: OSError) -> CheckpointError:
+    said = save_refusal(exc) or Refusal(errno.errorcode.get(exc.errno or 0, str(exc.errno)), "",
+                                        "save to another directory (save_checkpoint's save_dir)")
+    cause = f"{said.cause}: " if said.cause else ""
+    return CheckpointError(f"save_checkpoint cannot save into {save_dir}: making its lock file {path} failed "
+                           f"({said.name}: {cause}{exc.strerror or exc}); {said.fix}. Nothing was saved")
 
 
 def _read_holder(fd: int) -> dict[str, Any]:

@@ -14,20 +14,27 @@ names a ``checksum``): a safetensors header when its file is opened, a stored te
 first read (over the bytes read, when the read takes it whole; otherwise the whole stored tensor is
 checked before the part is read, whose pages that leaves in the page cache), the pickled files in
 :meth:`CheckpointSet.checked_file`. A mismatch raises :func:`~zerospeed.checkpoint.layout.damaged`.
+
+A reader that goes through stored tensors chunk by chunk, in order (``zerospeed convert``), says so
+with :meth:`CheckpointSet.reading_in_order`: there a part read at the tensor's first byte, and each
+read continuing where the last one ended, extend a running CRC-32 instead, checked with the read that
+reaches the tensor's end (so each byte is read once; the caller relies on none of the tensor's parts
+before that read has returned), and a tensor left unfinished is checked when the block ends. Out of that block (a
+load at another topology reads a rank's part and never the rest) a part is checked whole first.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import os
-import zlib
 from collections import defaultdict
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from zerospeed.checkpoint.layout import MANIFEST, CheckpointError, check_crc, damaged, read_manifest
-from zerospeed.checkpoint.safetensors_io import SafetensorsReader
+from zerospeed.checkpoint.safetensors_io import SafetensorsReader, crc32_range, pread_into
 from zerospeed.checkpoint.tp_reshard import (ReadSplit, StoredTP, local_shape, part_name, plan_reads, reading_split,
                                              run_reads)
 from zerospeed.tensor_parallel.layout import TPLayout
@@ -66,6 +73,10 @@ class CheckpointSet:
             {(frag["file"], frag["key"]): frag.get("crc32") for frag in self.manifest["fragments"]}
             if self.checked else None)
         self._verified: set[tuple[str, str]] = set()
+        # under reading_in_order: (file, stored tensor) -> (the element its next read must start at, the CRC-32
+        # of its bytes before that element), for tensors read in part so far
+        self._in_order = False
+        self._running: dict[tuple[str, str], tuple[int, int]] = {}
         self._readers: dict[str, SafetensorsReader] = {}
         self._aliases: dict[str, str] = dict(self.manifest.get("aliases", {}))
 
@@ -156,25 +167,62 @@ class CheckpointSet:
         self.read_range(kind, param, 0, out.numel(), out)
         return out
 
+    @contextlib.contextmanager
+    def reading_in_order(self) -> Iterator[None]:
+        """Within this block the caller reads each stored tensor it starts from its first element on, in
+        order, and uses no part of it until the read that reaches its end has returned (which raises on a
+        mismatch): every byte is then read once, checked by a running CRC-32 (see the module's doc).
+        Tensors read only in part are checked when the block ends without an error (by reading the rest)."""
+        outer, self._in_order = self._in_order, True
+        try:
+            yield
+            if not outer:
+                for (file, key), (start, crc) in sorted(self._running.items()):
+                    self._check(file, key, self._reader(file).checksum(key, start, crc))
+        finally:
+            self._in_order = outer
+            if not outer:
+                self._running.clear()
+
     def _read_fragment(self, file: str, key: str, out: torch.Tensor, offset: int, *, whole: bool) -> None:
         """Elements ``[offset, offset + out.numel())`` of stored tensor ``key``, checked against its CRC-32
-        the first time it is read: in the same pass when ``whole``, else by reading it all first."""
+        the first time it is read: in the same pass when ``whole`` or when continuing an in-order read
+        (:meth:`reading_in_order`), else by reading it all first."""
         reader = self._reader(file)
         if self._crcs is None or (file, key) in self._verified:
             reader.read_into(key, out, start=offset)
             return
-        what = f"tensor {key!r} in {os.path.join(self.path, file)}"
-        expected = self._crcs.get((file, key))
-        if expected is None:
-            raise damaged(self.path, f"{what} has no checksum in {os.path.join(self.path, MANIFEST)}")
+        self._expected(file, key)  # a tensor without a checksum is refused before anything of it is read
+        running = self._running.pop((file, key), None)
         if whole:
-            actual = reader.read_into(key, out, crc=0)
-        else:
-            actual = reader.checksum(key)
-        check_crc(self.path, what, expected, actual if actual is not None else -1)
+            self._check(file, key, reader.read_into(key, out, crc=0))
+            return
+        if self._in_order and offset == (running[0] if running is not None else 0):
+            crc = reader.read_into(key, out, start=offset, crc=running[1] if running is not None else 0)
+            end = offset + out.numel()
+            if end < reader.entries[key].numel:
+                self._running[(file, key)] = (end, crc if crc is not None else -1)
+            else:
+                self._check(file, key, crc)
+            return
+        # a part from its middle, or out of order: the whole tensor first (which leaves the part in the page cache)
+        self._check(file, key, reader.checksum(key))
+        reader.read_into(key, out, start=offset)
+
+    def _expected(self, file: str, key: str) -> int:
+        """The CRC-32 the manifest records for stored tensor ``key`` of ``file``; refused when none."""
+        expected = (self._crcs or {}).get((file, key))
+        if expected is None:
+            raise damaged(self.path, f"tensor {key!r} in {os.path.join(self.path, file)} has no checksum in "
+                                     f"{os.path.join(self.path, MANIFEST)}")
+        return expected
+
+    def _check(self, file: str, key: str, actual: int | None) -> None:
+        """Refuse stored tensor ``key`` of ``file`` unless ``actual`` (the CRC-32 of all its bytes) is the
+        manifest's; remember it checked."""
+        check_crc(self.path, f"tensor {key!r} in {os.path.join(self.path, file)}", self._expected(file, key),
+                  actual if actual is not None else -1)
         self._verified.add((file, key))
-        if not whole:
-            reader.read_into(key, out, start=offset)
 
     def checked_file(self, name: str) -> str:
         """The path of the tag's file ``name`` (``engine_state.pt``, ``rank<N>.state.pt``) once its bytes
@@ -185,11 +233,13 @@ class CheckpointSet:
         info = self.manifest["files"].get(name)
         if info is None or "crc32" not in info:
             raise damaged(self.path, f"{path} has no checksum in {os.path.join(self.path, MANIFEST)}")
-        crc = 0
         try:
-            with open(path, "rb", buffering=0) as f:
-                while chunk := f.read(16 << 20):
-                    crc = zlib.crc32(chunk, crc)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                size = os.fstat(fd).st_size
+                crc = crc32_range(lambda buffer, offset: pread_into(fd, path, buffer, offset), 0, size)
+            finally:
+                os.close(fd)
         except OSError as exc:
             raise CheckpointError(f"cannot read {path}: {exc}") from None
         check_crc(self.path, path, info["crc32"], crc)

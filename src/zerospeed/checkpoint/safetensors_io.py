@@ -20,7 +20,7 @@ data, no read back); a reader computes the same over the bytes it ``pread``s (:m
 ``crc``), so a checkpoint can be checked against its manifest while it is loaded. The CRC of each
 piece runs on a helper thread while the caller's thread writes or reads the next (:class:`_Crcs`;
 ``zlib.crc32`` releases the GIL), so it adds little as long as it is faster than the disk and a
-core is free for it (:data:`CRC_THREAD`).
+second CPU is there for it (:data:`CRC_THREAD`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import os
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import torch
 
@@ -51,9 +51,11 @@ WRITE_PIECE = 32 * 1024 * 1024  # write-behind: start writing back every this ma
 WRITE_WINDOW = 4  # ... and wait for (then drop from the page cache) the piece this many pieces back
 _SYNC_FILE_RANGE_WAIT_BEFORE, _SYNC_FILE_RANGE_WRITE, _SYNC_FILE_RANGE_WAIT_AFTER = 1, 2, 4
 OVERLAP_BYTES = 1024 * 1024  # a CRC-32 update of at least this many bytes runs beside the I/O ...
-# ... when the process has a core to spare for it: with 2 usable CPUs or fewer the helper thread only competes
-# with the I/O (measured on a loaded 2-core machine, a 1 GB write-behind: +30% time threaded, +21% inline)
-CRC_THREAD = len(os.sched_getaffinity(0)) > 2 if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1) > 2
+# ... when the process has a second usable CPU for it. Measured (BENCHMARKS.md, "Checkpoint checksums"; 1 GB,
+# bench_checkpoint.py --crc-thread both) on a 2-core machine loaded by other jobs: threaded against inline, the
+# load took 7-29% less time and the save 0-11% less (3 runs); pinned to 1 CPU the two were within the noise
+# (load +11%, save -4% threaded), so one CPU keeps them inline.
+CRC_THREAD = len(os.sched_getaffinity(0)) > 1 if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1) > 1
 
 
 @functools.lru_cache(maxsize=1)
@@ -279,6 +281,32 @@ class StreamingWriter:
             self.abort()
 
 
+def pread_into(fd: int, path: str, buffer, offset: int) -> None:
+    """Fill ``buffer`` with the bytes of the open file ``fd`` (named ``path`` in errors) from ``offset``,
+    all of them even after a short read; OSError at the end of the file."""
+    view = memoryview(buffer).cast("B")
+    while view.nbytes:
+        n = os.preadv(fd, [view], offset)
+        if n <= 0:
+            raise OSError(f"{path}: short read at byte {offset} ({view.nbytes} bytes missing)")
+        view, offset = view[n:], offset + n
+
+
+def crc32_range(pread: Callable[[memoryview, int], None], start: int, end: int, crc: int = 0) -> int:
+    """The CRC-32 of bytes ``[start, end)`` continued from ``crc`` (``zlib.crc32``'s running value),
+    read by ``pread(buffer, offset)`` through one buffer of at most ``CHUNK_BYTES``: the one loop behind
+    :meth:`SafetensorsReader.checksum` and the checks of whole files (the pickled states), so a file
+    of any size is checked in bounded memory."""
+    if end <= start:
+        return crc
+    buffer = memoryview(bytearray(min(end - start, CHUNK_BYTES)))
+    for lo in range(start, end, CHUNK_BYTES):
+        piece = buffer[: min(CHUNK_BYTES, end - lo)]
+        pread(piece, lo)
+        crc = zlib.crc32(piece, crc)
+    return crc
+
+
 class SafetensorsReader:
     """Random access to a safetensors file's tensors by element range, without a memory map."""
 
@@ -356,16 +384,14 @@ class SafetensorsReader:
                 cast_crcs.close()
         return None if cast_crcs is None else cast_crcs.values[0]
 
-    def checksum(self, name: str) -> int:
-        """The CRC-32 of tensor ``name``'s stored bytes, read through a buffer of at most ``CHUNK_BYTES``."""
+    def checksum(self, name: str, start: int = 0, crc: int = 0) -> int:
+        """The CRC-32 of tensor ``name``'s stored bytes from element ``start`` on, continued from ``crc``
+        (so a caller that read elements ``[0, start)`` with :meth:`read_into`'s ``crc`` finishes the
+        tensor's CRC without reading those again), read by :func:`crc32_range`."""
         entry = self.entries[name]
-        buffer = torch.empty(min(entry.end - entry.begin, CHUNK_BYTES), dtype=torch.uint8)
-        crc = 0
-        for lo in range(entry.begin, entry.end, CHUNK_BYTES):
-            raw = tensor_bytes(buffer[: min(CHUNK_BYTES, entry.end - lo)])
-            self._pread_into(raw, self._data_start + lo)
-            crc = zlib.crc32(raw, crc)
-        return crc
+        itemsize = torch.empty(0, dtype=entry.dtype).element_size()
+        return crc32_range(self._pread_into, self._data_start + entry.begin + start * itemsize,
+                           self._data_start + entry.end, crc)
 
     def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         entry = self.entries[name]
@@ -374,12 +400,7 @@ class SafetensorsReader:
         return out
 
     def _pread_into(self, buffer, offset: int) -> None:
-        view = memoryview(buffer).cast("B")
-        while view.nbytes:
-            n = os.preadv(self._fd, [view], offset)
-            if n <= 0:
-                raise OSError(f"{self.path}: short read at byte {offset} ({view.nbytes} bytes missing)")
-            view, offset = view[n:], offset + n
+        pread_into(self._fd, self.path, buffer, offset)
 
     def close(self) -> None:
         if self._fd >= 0:

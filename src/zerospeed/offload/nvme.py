@@ -30,6 +30,7 @@ from typing import Callable, Generator, Iterable, Iterator, Protocol, Sequence
 
 import torch
 
+from zerospeed.disk_errors import Refusal, refusal
 from zerospeed.offload.aio_file import io_memory
 from zerospeed.lifecycle import Transitions
 from zerospeed.tensor_bytes import format_bytes
@@ -70,11 +71,11 @@ class RunDirectory:
     def explain(self, exc: OSError) -> OSError:
         """``exc`` (a swap file's write failed) with the config key, the path and the fix when the file
         system refused it (read-only, full, not permitted); other errors as they are."""
-        if exc.errno not in _UNUSABLE:
+        said = _refusal(exc, self.key)
+        if said is None:
             return exc
-        cause, fix = _UNUSABLE[exc.errno]
         return OSError(exc.errno, f"{exc.strerror or exc}; this run's swap files are under {self.key} "
-                                  f"{str(self.path.parent.parent)!r}: {cause}; {fix.format(key=self.key)}")
+                                  f"{str(self.path.parent.parent)!r}: {said.cause}; {said.fix}")
 
     def check_room(self, nbytes: int, what: str) -> None:
         """Raise :class:`NvmeSpaceError` unless the file system has ``nbytes`` free (beyond what this
@@ -82,24 +83,20 @@ class RunDirectory:
         held = sum(f.stat().st_size for f in self.path.iterdir() if f.is_file())
         free = shutil.disk_usage(self.path).free + held
         if nbytes > free:
+            full = _refusal(errno.ENOSPC, self.key)
+            assert full is not None  # ENOSPC is in the table
             raise NvmeSpaceError(errno.ENOSPC, f"{what} needs {format_bytes(nbytes)} ({nbytes} bytes) under "
                                                f"{self.path.parent.parent} but only {format_bytes(free)} are free "
-                                               f"({free} bytes); free space there or point {self.key} at a "
-                                               f"larger disk")
+                                               f"({free} bytes); {full.fix}")
 
     def close(self) -> None:
         self._finalizer()
 
 
-# Why the file system refused a run directory or a swap file under an NVMe path, and the fix, by errno.
-_UNUSABLE = {
-    errno.EROFS: ("the file system is mounted read-only", "point {key} at a writable NVMe directory (or remount it "
-                                                          "read-write)"),
-    errno.EACCES: ("this user may not write there", "choose a directory this user can write"),
-    errno.EPERM: ("this user may not write there", "choose a directory this user can write"),
-    errno.ENOSPC: ("the disk is full", "free space there or point {key} at a larger disk"),
-    errno.EDQUOT: ("this user's disk quota is used up", "free space there or point {key} at another disk"),
-}
+def _refusal(exc: BaseException | int, key: str) -> Refusal | None:
+    """Why the file system refused a run directory or a swap file under the NVMe path ``key`` names, and
+    the fix (the table shared with checkpoint saves: :mod:`zerospeed.disk_errors`)."""
+    return refusal(exc, to=f"point {key} at", where="NVMe directory")
 
 
 def unusable_path(key: str, root: Path, path: Path, exc: OSError) -> OSError:
@@ -107,10 +104,10 @@ def unusable_path(key: str, root: Path, path: Path, exc: OSError) -> OSError:
     config key), the path, the cause and the fix. The same ``OSError`` subclass as ``exc`` (the errno
     picks it: ``PermissionError`` for EACCES...), so callers catching those still do."""
     code = exc.errno if exc.errno is not None else 0
-    cause, fix = _UNUSABLE.get(code, (exc.strerror or str(exc), "point {key} at a writable local directory"))
-    name = errno.errorcode.get(code, str(code))
+    said = _refusal(exc, key) or Refusal(errno.errorcode.get(code, str(code)), exc.strerror or str(exc),
+                                         f"point {key} at a writable local directory")
     return OSError(code, f"{key} {str(root)!r} cannot hold this run's swap files: creating {str(path)!r} failed "
-                         f"with {name} ({cause}); {fix.format(key=key)}")
+                         f"with {said.name} ({said.cause}); {said.fix}")
 
 
 def _remove_run_dir(path: Path) -> None:

@@ -229,9 +229,10 @@ class PipelineEngine(Engine):
 
     def _window_loss_value(self) -> float:
         """This stage's losses of the batch, summed (only the last stage computes losses: 0.0 elsewhere,
-        so other stages name a non-finite step by its gradient norm)."""
+        so other stages name a non-finite step by its gradient norm). Detached: only the value is wanted, so
+        the sums build no autograd graph, which would keep the losses' own graphs alive with it."""
         run = self.last_run
-        values = [t.float().sum() for loss in (run.losses if run is not None else []) for t in tensors_of(loss)
+        values = [t.detach().float().sum() for loss in (run.losses if run is not None else []) for t in tensors_of(loss)
                   if t.is_floating_point()]
         return float(torch.stack(values).sum()) if values else 0.0
 

@@ -18,7 +18,11 @@ not finite, so the rank with the bad data names itself — as ``WARNING`` on the
 * after that, one summary line when :attr:`NonFinitePolicy.summary_every` (100) more have happened
   since the last line, or when a non-finite step comes :attr:`NonFinitePolicy.summary_seconds` (60 s)
   or more after the last line (so an isolated one late in a run is always reported): how many, the
-  step range, the count per reason, and the last one's details.
+  step range, the count per reason, and the last one's details;
+* and a burst that ended unreported (say 40 within a minute, then finite steps) is summarized at the
+  first finite step :attr:`NonFinitePolicy.summary_seconds` or more after the last line
+  (:meth:`NonFiniteSteps.clean_step`): every non-finite step is told within about that time, and
+  intermittent ones still make at most one line per interval.
 
 The reasons (:class:`Reason`): ``NaN loss`` / ``inf loss`` when this rank's loss in the window was not
 finite; else in fp16 ``overflow`` (the scaled gradients overflowed: the loss scale drops); else
@@ -113,10 +117,31 @@ class NonFiniteSteps:
         self._pending: list[NonFiniteStep] = []  # since the last line
         self._last_line = -math.inf
 
-    def clean_step(self) -> None:
-        """A step with a finite norm ends a run of consecutive non-finite steps."""
+    def clean_step(self) -> str | None:
+        """A step with a finite norm ends a run of consecutive non-finite steps. Returns the summary of the
+        non-finite steps not yet reported, once :attr:`NonFinitePolicy.summary_seconds` have passed since
+        the last line (the log's rate), for the engine to log now: without it a burst that ended between two
+        summaries would never be told, as only a later non-finite step would report it."""
+        self.restart_run()
+        if not self._pending:
+            return None
+        now = self._clock()
+        if now - self._last_line < self.policy.summary_seconds:
+            return None
+        self._last_line = now
+        pending, self._pending = self._pending, []
+        return self._line(pending[0]) if len(pending) == 1 else self._summary(pending)
+
+    def restart_run(self) -> None:
+        """Start counting consecutive non-finite steps afresh (a finite step; a resume from a checkpoint,
+        whose steps are not the ones before it), for ``raise_after_consecutive``."""
         self.consecutive = 0
         self._run_reasons.clear()
+
+    @property
+    def last_unreported(self) -> NonFiniteStep | None:
+        """The latest non-finite step no line has reported yet (what :meth:`clean_step` would summarize)."""
+        return self._pending[-1] if self._pending else None
 
     def record(self, event: NonFiniteStep) -> str | None:
         """Count ``event``; the warning line to log now (None: rate-limited). Raises
@@ -139,7 +164,7 @@ class NonFiniteSteps:
         return self._line(event) if len(pending) == 1 else self._summary(pending)
 
     def _line(self, event: NonFiniteStep) -> str:
-        tail = f"{self.consecutive} in a row, {self.total} in the run"
+        tail = f"{self._run()}, {self.total} in the run"
         if not event.skipped:
             return (f"step {event.step} was applied with {event.describe()} because {self.policy.switch} is "
                     f"false: parameters and optimizer state may now hold NaN/inf ({tail})")
@@ -152,9 +177,13 @@ class NonFiniteSteps:
         per_reason = ", ".join(f"{n} {reason.value}" for reason, n in counts.most_common())
         last = pending[-1]
         return (f"{len(pending)} steps {what} since the last report, steps {pending[0].step}-{last.step} "
-                f"({per_reason}); the last, step {last.step}: {last.describe()}; {self.consecutive} in a row, "
+                f"({per_reason}); the last, step {last.step}: {last.describe()}; {self._run()}, "
                 f"{self.total} in the run (after the first {self.policy.log_first} these are summarized every "
                 f"{self.policy.summary_every} steps or {self.policy.summary_seconds:g} s){self._limit_note()}")
+
+    def _run(self) -> str:
+        """The current run of consecutive non-finite steps (none: a finite step came since the last one)."""
+        return f"{self.consecutive} in a row" if self.consecutive else "finite steps since"
 
     def _limit_note(self) -> str:
         limit = self.policy.raise_after_consecutive
