@@ -312,6 +312,20 @@ def test_the_engine_logs_the_summary_at_a_clean_step() -> None:
         "steps or 60 s)")
 
 
+def test_destroy_logs_the_skipped_steps_no_line_told_yet() -> None:
+    """Seven NaN losses (5 lines, the rate limit holding back the rest), then the run ends: ``destroy``
+    tells the other two, however little time has passed."""
+    engine, *_ = zerospeed.initialize(model=TanhMLP(6, 11, 3), config=_config())
+    engine.nonfinite = NonFiniteSteps(engine.policy.nonfinite, clock=lambda: 0.0)
+    with log_messages(logging.WARNING) as warnings:
+        for step in range(7):
+            _train_step(engine, step, torch.float32, "loss")
+        assert len(warnings) == 5
+        engine.destroy()
+    assert len(warnings) == 6 and warnings[-1].startswith(
+        "2 steps skipped since the last report, steps 6-7 (2 NaN loss); the last, step 7: NaN loss"), warnings[-1]
+
+
 def test_a_resume_restarts_the_count_of_consecutive_skips(tmp_path: Any) -> None:
     """Two skips, then a resume from a checkpoint: the run of skips counted for
     ``skipped_steps.raise_after_consecutive`` starts again at the resumed steps."""

@@ -278,14 +278,15 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         return NonFiniteStep(step=self.global_steps + 1, reason=reason, norm=norm, loss_scale=scale,
                              next_scale=self.scaler.loss_scale, skipped=skipped)
 
-    def _note_nonfinite(self, event: NonFiniteStep | None) -> None:
+    def _note_nonfinite(self, event: NonFiniteStep | None, *, ending: bool = False) -> None:
         """Count a finished step in the run of non-finite ones and log its line (rate-limited) on global
         rank 0, and on a rank that saw the non-finite loss itself; raises at
         ``skipped_steps.raise_after_consecutive`` in a row (on every rank: the decision is agreed). A finite
-        step (``event`` None) logs the summary of non-finite steps left unreported, when one is due."""
+        step (``event`` None) logs the summary of non-finite steps left unreported, when one is due; at the
+        end of the run (``ending``, from :meth:`destroy`) whatever is left unreported."""
         if event is None:
             last = self.nonfinite.last_unreported
-            line = self.nonfinite.clean_step()
+            line = self.nonfinite.flush() if ending else self.nonfinite.clean_step()
         else:
             last, line = event, self.nonfinite.record(event)
         if line is None or last is None:
@@ -400,6 +401,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         try:
             self.wait_for_checkpoint()
         finally:
+            self._note_nonfinite(None, ending=True)  # skipped steps no rate-limited line told yet
             self.save_locks.release()
             self.state.remove_hooks()
             self.monitor.close()

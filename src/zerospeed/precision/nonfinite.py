@@ -123,12 +123,16 @@ class NonFiniteSteps:
         the last line (the log's rate), for the engine to log now: without it a burst that ended between two
         summaries would never be told, as only a later non-finite step would report it."""
         self.restart_run()
+        if not self._pending or self._clock() - self._last_line < self.policy.summary_seconds:
+            return None
+        return self.flush()
+
+    def flush(self) -> str | None:
+        """The summary of the non-finite steps not yet reported, whatever the rate (the run is ending, so
+        no later line would tell them), or None when every one was reported."""
         if not self._pending:
             return None
-        now = self._clock()
-        if now - self._last_line < self.policy.summary_seconds:
-            return None
-        self._last_line = now
+        self._last_line = self._clock()
         pending, self._pending = self._pending, []
         return self._line(pending[0]) if len(pending) == 1 else self._summary(pending)
 
