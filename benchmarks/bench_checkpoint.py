@@ -24,10 +24,10 @@ Each round, in the same process and on the same disk (``--dir``, default the sys
 The cost of the checkpoint's integrity checks (a CRC-32 of every tensor, computed while writing and
 checked while loading), in the same rounds:
 
-  save/load (crc32 off)   the same save and load with zlib.crc32 replaced by a stub returning 0 in the
-                  checkpoint modules (the manifest then records zeros, which the load "checks")
+  save/load (crc32 off)   the same save and load with checkpoint.checksum.crc32 (ISA-L's, else zlib's)
+                  replaced by a stub returning 0 (the manifest then records zeros, which the load "checks")
   write-behind + crc32    the write-behind row with the writer's checksums on
-  crc32 in memory         zlib.crc32 over the same byte count, already in memory (no disk)
+  crc32 in memory         checkpoint.checksum.crc32 over the same byte count, already in memory (no disk)
 
 ``--crc-thread on|off`` forces ``safetensors_io.CRC_THREAD`` (each piece's CRC on a helper thread while
 the next piece is written or read, or inline) for the save/load rows; ``--crc-thread both`` runs the
@@ -55,8 +55,6 @@ import sys
 import contextlib
 import tempfile
 import time
-import types
-import zlib
 from typing import Iterator
 
 import torch
@@ -111,31 +109,30 @@ def _baseline_write_behind(path: str, nbytes: int, block: memoryview, checksums:
 
 
 def _crc_in_memory(nbytes: int, block: memoryview) -> float:
-    """zlib.crc32 over ``nbytes`` bytes already in memory (the checksum's own cost, no disk)."""
+    """The checkpoints' CRC-32 over ``nbytes`` bytes already in memory (the checksum's own cost, no disk)."""
+    from zerospeed.checkpoint import checksum
+
     start = time.perf_counter()
     crc, left = 0, nbytes
     while left:
-        crc = zlib.crc32(block[: min(left, len(block))], crc)
+        crc = checksum.crc32(block[: min(left, len(block))], crc)
         left -= min(left, len(block))
     return time.perf_counter() - start
 
 
 @contextlib.contextmanager
 def _crc_off() -> Iterator[None]:
-    """The checkpoint modules with ``zlib.crc32`` stubbed to 0 (saves record 0, loads compare 0 with 0):
-    the same save and load without the cost of the checksums, for the A/B rows."""
-    from zerospeed.checkpoint import commit, layout, reader, safetensors_io
+    """The checkpoints' CRC-32 (``checksum.crc32``, which every checkpoint module calls through its module)
+    stubbed to 0 (saves record 0, loads compare 0 with 0): the same save and load without the cost of the
+    checksums, for the A/B rows."""
+    from zerospeed.checkpoint import checksum
 
-    modules = [module for module in (commit, layout, reader, safetensors_io) if hasattr(module, "zlib")]
-    stub = types.SimpleNamespace(crc32=lambda data, value=0: 0)
-    saved = [module.zlib for module in modules]  # type: ignore[attr-defined]
-    for module in modules:
-        module.zlib = stub  # type: ignore[attr-defined]
+    original = checksum.crc32
+    checksum.crc32 = lambda data, value=0: 0  # type: ignore[assignment]
     try:
         yield
     finally:
-        for module, original in zip(modules, saved):
-            module.zlib = original  # type: ignore[attr-defined]
+        checksum.crc32 = original  # type: ignore[assignment]
 
 
 @contextlib.contextmanager
@@ -330,7 +327,9 @@ def main() -> None:
         save, load = med["save" + suffix] / med["save (crc32 off)"], med["load" + suffix] / med["load (crc32 off)"]
         print(f"checksums{suffix or ' (crc32 per tensor)'}: save {save - 1:+.0%} time, load {load - 1:+.0%} "
               f"time against the same with crc32 off")
-    print(f"crc32 in memory {nbytes / med['crc32 in memory'] / 1e9:.2f} GB/s vs the plain disk write "
+    from zerospeed.checkpoint import checksum
+
+    print(f"crc32 ({checksum.IMPLEMENTATION}) in memory {nbytes / med['crc32 in memory'] / 1e9:.2f} GB/s vs the plain disk write "
           f"{nbytes / base_write / 1e9:.2f} GB/s; write-behind "
           f"{med['write-behind + crc32'] / med['write-behind write'] - 1:+.0%} time with crc32 "
           f"(CRC_THREAD as the machine sets it)")

@@ -13,6 +13,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 from typing import Any
@@ -380,3 +382,19 @@ def test_a_load_at_the_same_topology_reads_each_byte_once(saved: tuple[Path, dic
     engine.load_checkpoint(str(root / "good"))
     assert _params(engine) == out["saved"]
     assert sum(n for _, _, n in reads) == _stored_bytes(root / "good" / "global_step3") and _read_once(reads)
+
+
+def test_the_checksum_is_zlibs_crc32_with_or_without_isal() -> None:
+    """ISA-L's CRC-32 (when installed) gives zlib's values, so a checkpoint checked by either is the same;
+    without isal the standard library's is used."""
+    from zerospeed.checkpoint import checksum
+
+    assert checksum.IMPLEMENTATION == "isal"  # a dependency: installed with zerospeed
+    data = bytes(range(256)) * 4099
+    assert checksum.crc32(data) == zlib.crc32(data)
+    assert checksum.crc32(memoryview(data)[7:], 12345) == zlib.crc32(memoryview(data)[7:], 12345)
+    script = ("import sys; sys.modules['isal'] = None\n"
+              "from zerospeed.checkpoint import checksum\n"
+              "print(checksum.IMPLEMENTATION, checksum.crc32(b'zerospeed', 7))")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["zlib", str(zlib.crc32(b"zerospeed", 7))]

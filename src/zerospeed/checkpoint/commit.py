@@ -29,13 +29,12 @@ import os
 import shutil
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from zerospeed.checkpoint import layout
+from zerospeed.checkpoint import checksum, layout
 from zerospeed.checkpoint.layout import CheckpointError
 from zerospeed.checkpoint.model_record import merge_records
 from zerospeed.checkpoint.safetensors_io import FileChecksums
@@ -343,7 +342,7 @@ def _write_bytes(path: str, data: bytes) -> dict[str, dict[str, int]]:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    return {os.path.basename(path): {"bytes": len(data), "crc32": zlib.crc32(data)}}
+    return {os.path.basename(path): {"bytes": len(data), "crc32": checksum.crc32(data)}}
 
 
 class BackgroundSave:

@@ -33,9 +33,9 @@ import shutil
 import socket
 import threading
 import time
-import zlib
 from typing import Any, Iterator
 
+from zerospeed.checkpoint import checksum
 from zerospeed.disk_errors import Refusal, refusal
 
 FORMAT = "zerospeed-checkpoint"
@@ -200,7 +200,7 @@ def read_manifest(path: str) -> dict[str, Any]:
             raise CheckpointError(f"{file} names checksum {manifest.get('checksum')!r}; this zerospeed checks "
                                   f"{CHECKSUM!r} only: upgrade zerospeed")
         stored = manifest.pop(MANIFEST_CRC, None)
-        computed = zlib.crc32(_manifest_json(manifest))
+        computed = checksum.crc32(_manifest_json(manifest))
         if stored != computed:
             raise damaged(path, f"{MANIFEST} does not match its checksum ({_crc_text(stored)} recorded, "
                                 f"{_crc_text(computed)} computed)")
@@ -219,7 +219,7 @@ def encode_manifest(manifest: dict[str, Any]) -> bytes:
     body["checksum"] = CHECKSUM
     text = _manifest_json(body)
     # == json.dumps({**body, MANIFEST_CRC: crc}, indent=1) without serializing a large manifest twice
-    return text[: -len(b"\n}")] + f',\n "{MANIFEST_CRC}": {zlib.crc32(text)}\n}}'.encode()
+    return text[: -len(b"\n}")] + f',\n "{MANIFEST_CRC}": {checksum.crc32(text)}\n}}'.encode()
 
 
 def _manifest_json(manifest: dict[str, Any]) -> bytes:

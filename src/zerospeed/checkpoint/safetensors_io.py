@@ -14,12 +14,12 @@ instead of everything waiting for one ``fsync`` at the end (a plain write + fsyn
 series: about half the bandwidth on this machine's disk), the dirty memory of a save stays bounded,
 and a checkpoint does not push the training's useful pages out of the page cache.
 
-Integrity: a writer asked for ``checksums`` keeps a CRC-32 (``zlib.crc32``) of every tensor's bytes
+Integrity: a writer asked for ``checksums`` keeps a CRC-32 (:func:`~zerospeed.checkpoint.checksum.crc32`, zlib's values) of every tensor's bytes
 and of the header, computed on the bytes as they are handed to the kernel (no second pass over the
 data, no read back); a reader computes the same over the bytes it ``pread``s (:meth:`read_into`'s
 ``crc``), so a checkpoint can be checked against its manifest while it is loaded. The CRC of each
 piece runs on a helper thread while the caller's thread writes or reads the next (:class:`_Crcs`;
-``zlib.crc32`` releases the GIL), so it adds little as long as it is faster than the disk and a
+the CRC releases the GIL), so it adds little as long as it is faster than the disk and a
 second CPU is there for it (:data:`CRC_THREAD`).
 """
 
@@ -30,13 +30,13 @@ import functools
 import json
 import math
 import os
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 import torch
 
+from zerospeed.checkpoint import checksum
 from zerospeed.tensor_bytes import tensor_bytes
 
 DTYPE_NAMES: dict[torch.dtype, str] = {
@@ -105,7 +105,7 @@ class _Crcs:
         self._pending = self._pool.submit(self._update, index, data)  # one worker: runs in order
 
     def _update(self, index: int, data: memoryview) -> None:
-        self.values[index] = zlib.crc32(data, self.values[index])
+        self.values[index] = checksum.crc32(data, self.values[index])
 
     def wait(self) -> None:
         if self._pending is not None:  # the last queued update; the single worker ran the others before it
@@ -169,7 +169,7 @@ class StreamingWriter:
                  metadata: Mapping[str, str] | None = None, *, checksums: bool = False):
         self.path = os.fspath(path)
         header, self.entries = build_header(entries, metadata)
-        self.header_crc32: int | None = zlib.crc32(header) if checksums else None
+        self.header_crc32: int | None = checksum.crc32(header) if checksums else None
         self._crcs: _Crcs | None = _Crcs([0] * len(self.entries)) if checksums else None  # crc32(b"") == 0
         self._entry = 0  # index of the tensor being written
         self._file = open(self.path, "wb", buffering=0)
@@ -293,7 +293,7 @@ def pread_into(fd: int, path: str, buffer, offset: int) -> None:
 
 
 def crc32_range(pread: Callable[[memoryview, int], None], start: int, end: int, crc: int = 0) -> int:
-    """The CRC-32 of bytes ``[start, end)`` continued from ``crc`` (``zlib.crc32``'s running value),
+    """The CRC-32 of bytes ``[start, end)`` continued from ``crc`` (``zlib.crc32``'s running value, as :func:`~zerospeed.checkpoint.checksum.crc32` takes it),
     read by ``pread(buffer, offset)`` through one buffer of at most ``CHUNK_BYTES``: the one loop behind
     :meth:`SafetensorsReader.checksum` and the checks of whole files (the pickled states), so a file
     of any size is checked in bounded memory."""
@@ -303,7 +303,7 @@ def crc32_range(pread: Callable[[memoryview, int], None], start: int, end: int, 
     for lo in range(start, end, CHUNK_BYTES):
         piece = buffer[: min(CHUNK_BYTES, end - lo)]
         pread(piece, lo)
-        crc = zlib.crc32(piece, crc)
+        crc = checksum.crc32(piece, crc)
     return crc
 
 
@@ -327,7 +327,7 @@ class SafetensorsReader:
             os.close(self._fd)
             raise ValueError(f"{self.path} is not a readable safetensors file: {exc}") from None
         self._data_start = 8 + length
-        self.header_crc32 = zlib.crc32(encoded, zlib.crc32(head))  # as StreamingWriter's, over the same bytes
+        self.header_crc32 = checksum.crc32(encoded, checksum.crc32(head))  # as StreamingWriter's, over the same bytes
         self.metadata: dict[str, str] = header.pop("__metadata__", {}) or {}
         self.entries: dict[str, TensorEntry] = {}
         for name, info in header.items():
@@ -342,7 +342,7 @@ class SafetensorsReader:
     def read_into(self, name: str, out: torch.Tensor, start: int = 0, crc: int | None = None) -> int | None:
         """Fill ``out`` (contiguous, CPU) with elements ``[start, start + out.numel())`` of tensor
         ``name`` flattened, casting to ``out.dtype`` when the stored dtype differs. Given ``crc``,
-        returns it continued over the stored bytes just read (``zlib.crc32(data, crc)``: pass 0 at
+        returns it continued over the stored bytes just read (``checksum.crc32(data, crc)``: pass 0 at
         the tensor's first byte), so a caller checks a tensor read in order without reading it twice."""
         entry = self.entries[name]
         if start < 0 or start + out.numel() > entry.numel:
