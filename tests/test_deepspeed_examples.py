@@ -82,4 +82,5 @@ def test_cifar10_example_trains_unchanged(tmp_path: Path, stage: int, dtype: str
     assert out.count("Finished Training") == 2  # both ranks
     accuracy = float(re.search(r"Accuracy of the network on the 64 test images:\s+(\d+) %", out).group(1))
     assert accuracy > 30, (accuracy, out[-2000:])  # chance is 10 %
-    assert "zero_optimization" in out and f'"stage": {stage}' in out  # the resolved config zerospeed logged
+    # the resolved config zerospeed logged, as one line at INFO (the whole of it is at DEBUG), once
+    assert out.count("zerospeed config (resolved): ") == 1 and f", ZeRO stage {stage}; " in out, out[-3000:]
