@@ -193,7 +193,8 @@ def initialize(args: Any = None, model: nn.Module | None = None,
                         step_events=_step_events(cfg, comm))
     if group_rank() == 0:
         # One line at INFO; DeepSpeed's ~250-line dump of every default in force only at DEBUG.
-        log.info("%s", config_line(cfg, training))
+        if log.isEnabledFor(logging.INFO):  # the line builds a config of defaults to compare with
+            log.info("%s", config_line(cfg, training))
         if log.isEnabledFor(logging.DEBUG):  # the JSON of every key is built only to be shown
             log.debug("zerospeed config (resolved, every default in force):\n%s", cfg.to_json())
         if layer_drop is not None:

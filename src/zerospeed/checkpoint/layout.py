@@ -142,7 +142,8 @@ def resolve(load_dir: str, tag: str | None) -> tuple[str | None, str | None]:
 
 def list_tags(save_dir: str) -> list[str]:
     """The tags with a complete checkpoint in ``save_dir`` (a crash's ``.tmp-``/``.old-`` directories are
-    not tags; a tag whose overwrite was interrupted counts through its ``.old-`` directory)."""
+    not tags; a tag whose overwrite was interrupted counts through its ``.old-`` directory), in step order
+    (``global_step9`` before ``global_step10``)."""
     if not os.path.isdir(save_dir):
         return []
     names = set()
@@ -153,7 +154,7 @@ def list_tags(save_dir: str) -> list[str]:
             continue
         if name and tag_dir(save_dir, name):
             names.add(name)
-    return sorted(names)
+    return sorted(names, key=_natural)
 
 
 def why_no_checkpoint(load_dir: str, *, pick: str = "tag={!r}") -> str:
@@ -169,7 +170,7 @@ def why_no_checkpoint(load_dir: str, *, pick: str = "tag={!r}") -> str:
         return f"{where} is missing (no such directory{nor}): check the path for a typo or a missing mount"
     if not os.path.isdir(where):
         return f"{where} is a file, not a checkpoint directory: pass the directory given to save_checkpoint"
-    tags = sorted(list_tags(where), key=_natural)
+    tags = list_tags(where)
     if tags:
         return (f"{where} holds checkpoint tag(s) {', '.join(tags)} but no '{LATEST}' file naming the one to "
                 f"load: pick one with {pick.format(tags[-1])}, or write a tag into {os.path.join(where, LATEST)}")
@@ -243,10 +244,10 @@ def damaged(path: str, what: str) -> CheckpointError:
     save_dir = os.path.dirname(os.path.normpath(path))
     name = os.path.basename(os.path.normpath(path))
     tag = name[len(OLD_PREFIX):] if name.startswith(OLD_PREFIX) else name
-    others = [t for t in list_tags(save_dir) if t != tag]
+    others = [t for t in list_tags(save_dir) if t != tag]  # in step order
     earlier = [t for t in others if _natural(t) < _natural(tag)]
     if earlier:
-        advice = (f"load the previous checkpoint instead: tag={max(earlier, key=_natural)!r} "
+        advice = (f"load the previous checkpoint instead: tag={earlier[-1]!r} "
                   f"(load_checkpoint(dir, tag=...) or `zerospeed convert --tag ...`)")
     elif others:
         advice = "no earlier tag is there; load another one with tag=..."
