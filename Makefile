@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.zerospeed-installed
 
-.PHONY: install demo test test-fast bench clean infinity zero-inference
+.PHONY: install cluster-deps demo test test-fast bench clean infinity zero-inference
 
 install: $(STAMP)
 
@@ -19,8 +19,14 @@ $(STAMP): pyproject.toml Makefile setup.py src/zerospeed/ops/csrc/cpu_optim.c
 demo: install
 	$(BIN)/zerospeed --num_procs 2 examples/demo.py
 
+# Debian packages of the one-machine test cluster (sshd, pdsh, Open MPI, MPICH, Slurm, munge; see
+# .ci/cluster-deps): one quick `dpkg -s` when installed; installs with daemons kept from starting when
+# root with apt-get; else nothing (the cluster tests skip, naming what is missing).
+cluster-deps:
+	.ci/cluster-deps
+
 # --durations: the slowest tests, so a test that grows slow is seen at once.
-test: install
+test: install cluster-deps
 	$(BIN)/python -m pytest -q --durations=15
 
 # The inner loop (well under 2 minutes): every test in a module that starts no process, plus the few
