@@ -120,7 +120,7 @@ _NO_TORCH = textwrap.dedent("""
         ([os.path.join(work, "missing.py")], 2),
         ([work], 2),
         (["-H", bad_hosts, script], 2),
-        (["-H", two_hosts, script], 2),
+        (["-H", two_hosts, "--master_port", "0", script], 2),  # several hosts cannot share a free port
         (["-H", two_hosts, "--include", "worker-0:5", script], 2),
         # a malformed or impossible filter without a hostfile or --num_procs (this machine's pool is
         # sized by the CUDA count): refused before the count

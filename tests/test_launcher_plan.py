@@ -12,7 +12,6 @@ import pytest
 from zerospeed.launcher import (
     LauncherError,
     LaunchRequest,
-    MultiNodeNotImplementedError,
     Program,
     resolve_plan,
 )
@@ -134,15 +133,16 @@ def test_resolve_errors(hostfile: dict[str, int] | None, request_: dict[str, obj
     assert str(info.value) == message
 
 
-def test_multi_node_is_a_clear_error() -> None:
-    with pytest.raises(MultiNodeNotImplementedError) as info:
-        _resolve({"worker-0": 2, "worker-1": 2}, hostfile="hosts")
-    assert str(info.value) == (
-        "multi-node launch is not implemented yet: hostfile hosts spans 2 hosts "
-        "(worker-0, worker-1); pick one with --num_nodes 1 or --include <host>"
-    )
-    with pytest.raises(MultiNodeNotImplementedError, match=r"not implemented yet \(--num_nodes 2\)"):
+def test_several_hosts_make_a_multi_node_plan_and_num_nodes_needs_a_hostfile() -> None:
+    plan = _resolve({"worker-0": 2, "worker-1": 2}, hostfile="hosts")
+    assert (dict(plan.resources), plan.multi_node) == ({"worker-0": (0, 1), "worker-1": (0, 1)}, True)
+    assert (plan.master_addr, plan.master_port) == ("worker-0", 29500)
+    with pytest.raises(LauncherError) as info:
         _resolve(num_nodes=2)
+    assert str(info.value) == (
+        "--num_nodes 2 needs a hostfile listing the hosts (-H/--hostfile; /job/hostfile when it exists); "
+        "without one zerospeed runs on this machine only"
+    )
 
 
 def test_visible_devices_only_with_cuda_and_a_filter() -> None:
@@ -256,9 +256,9 @@ def test_cli_bad_include_and_multi_node(tmp_path: Path, script: str,
     code, err = _run_main(["-H", str(hosts), "--include", "worker-0:5", script], capsys)
     assert (code, err.count("\n")) == (2, 1)
     assert "slot 5 on host 'worker-0' is out of range" in err
-    code, err = _run_main(["-H", str(hosts), script], capsys)
+    code, err = _run_main(["-H", str(hosts), "--master_port", "0", script], capsys)
     assert (code, err.count("\n")) == (2, 1)
-    assert err.startswith("zerospeed: error: multi-node launch is not implemented yet")
+    assert err.startswith("zerospeed: error: --master_port 0 (any free port) only works on one machine")
 
 
 def test_cli_busy_master_port(script: str, held_port: int,

@@ -1,0 +1,146 @@
+"""What a multi-node job is, as one value every host receives: the contract between the runner and
+the per-node agent.
+
+The runner on the launching machine resolves the user's request into a :class:`JobSpec` and passes it,
+encoded as one URL-safe base64 argument (DeepSpeed passes its ``--world_info`` the same way), to the
+node agent (:mod:`zerospeed.launcher.node`) that pdsh, ssh, ``mpirun``, ``srun`` or the user
+(``--no_ssh``) starts once on every host. The agent learns which host it is from
+:func:`node_rank_of` and starts that host's ranks under torch's elastic agent. Keeping the job one
+immutable value means every host starts from the same facts, and the command each runner runs is a
+pure function of it (unit-tested with exact command lines).
+
+Importing this module does not import torch.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+
+from zerospeed.launcher.errors import LauncherError
+from zerospeed.launcher.plan import Program
+
+__all__ = ["ElasticSpec", "JobSpec", "RUNNER_NODE_RANK_VARIABLES", "node_rank_of"]
+
+# Variables from which a node agent started once per host by an MPI or Slurm runner reads its node
+# rank, in the order they are tried (an mpirun inside an sbatch job inherits the SLURM ones, so MPI's
+# win). Open MPI, MPICH hydra (PMI), Slurm.
+RUNNER_NODE_RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_NODEID")
+
+
+@dataclass(frozen=True)
+class ElasticSpec:
+    """``--elastic_training``: the job runs on any number of hosts in ``min_nodes..max_nodes`` and
+    restarts its workers (at most ``max_restarts`` times) when a host is lost or comes back."""
+
+    min_nodes: int
+    max_nodes: int
+    max_restarts: int = 100
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_nodes <= self.max_nodes:
+            raise LauncherError(
+                f"--min_elastic_nodes {self.min_nodes} and --max_elastic_nodes {self.max_nodes} must satisfy "
+                "1 <= min <= max"
+            )
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One multi-node job. ``world`` lists the hosts in node-rank order, each with its slot ids
+    (local ranks run on those slots); global ranks are numbered host by host in that order, as
+    DeepSpeed numbers them. ``job_id`` names the job's files on every host (pid file, logs), so
+    stopping a job touches only its own processes."""
+
+    job_id: str
+    world: tuple[tuple[str, tuple[int, ...]], ...]
+    master_addr: str
+    master_port: int
+    program: Program
+    elastic: ElasticSpec | None = None
+    bind_cores_to_rank: bool = False
+    bind_core_list: str | None = None
+    each_rank_log_dir: str | None = None
+    save_pid: bool = False
+    # Variables the agent sets for its workers on top of what the runner's shell exported.
+    worker_env: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        return tuple(host for host, _ in self.world)
+
+    @property
+    def world_size(self) -> int:
+        return sum(len(slots) for _, slots in self.world)
+
+    def slots_of(self, node_rank: int) -> tuple[int, ...]:
+        return self.world[node_rank][1]
+
+    def encode(self) -> str:
+        """The job as one shell-safe token (URL-safe base64 of JSON: letters, digits, ``-_=``)."""
+        raw = asdict(self)
+        raw["worker_env"] = dict(self.worker_env)
+        return base64.urlsafe_b64encode(json.dumps(raw, sort_keys=True).encode("utf-8")).decode("ascii")
+
+    @classmethod
+    def decode(cls, token: str) -> JobSpec:
+        """Inverse of :meth:`encode`; a damaged token is a :class:`LauncherError`, not a traceback."""
+        try:
+            raw = json.loads(base64.urlsafe_b64decode(token.encode("ascii")).decode("utf-8"))
+            program = _program(raw.pop("program"))
+            elastic = raw.pop("elastic")
+            world = tuple((str(host), tuple(int(s) for s in slots)) for host, slots in raw.pop("world"))
+            return cls(
+                program=program,
+                elastic=ElasticSpec(**elastic) if elastic is not None else None,
+                world=world,
+                **raw,
+            )
+        except (ValueError, TypeError, KeyError, UnicodeError) as exc:
+            raise LauncherError(f"cannot read the job description passed to this node ({exc}); the runner "
+                                "and this host may run different zerospeed versions") from None
+
+
+def _program(raw: dict[str, object]) -> Program:
+    args = raw.pop("args")
+    assert isinstance(args, list)
+    return Program(args=tuple(str(a) for a in args), **raw)  # type: ignore[arg-type]
+
+
+def node_rank_of(spec: JobSpec, *, explicit: int | None = None, host: str | None = None,
+                 environ: Mapping[str, str]) -> int:
+    """This host's node rank: ``explicit`` (``--node_rank``, pdsh's ``%n``, ssh's per-host command),
+    else ``host`` (pdsh's ``%h``: the hostfile name it reached) looked up in the world, else the
+    runner's own variables (:data:`RUNNER_NODE_RANK_VARIABLES`; all runners here start one agent per
+    host, so the runner's process rank is the node rank). Out-of-range answers are errors naming where
+    they came from."""
+    source: str
+    if explicit is not None:
+        rank, source = explicit, f"--node_rank {explicit}"
+    elif host is not None:
+        if host not in spec.hosts:
+            raise LauncherError(f"host {host!r} is not in this job's hosts ({', '.join(spec.hosts)})")
+        return spec.hosts.index(host)
+    else:
+        for name in RUNNER_NODE_RANK_VARIABLES:
+            if name == "SLURM_NODEID" and environ.get("SLURMD_NODENAME") in spec.hosts:
+                # srun: the node's own name; its index in the allocation may follow another order
+                return spec.hosts.index(environ["SLURMD_NODENAME"])
+            if name in environ:
+                try:
+                    rank = int(environ[name])
+                except ValueError:
+                    raise LauncherError(f"{name}={environ[name]!r} is not an integer node rank") from None
+                source = f"{name}={environ[name]}"
+                break
+        else:
+            raise LauncherError(
+                "cannot tell this host's node rank: pass --node_rank, or start the agent through pdsh, "
+                f"ssh, mpirun or srun (none of {', '.join(RUNNER_NODE_RANK_VARIABLES)} is set)"
+            )
+    if not 0 <= rank < len(spec.world):
+        raise LauncherError(f"{source} is outside this job's {len(spec.world)} host(s) "
+                            f"({', '.join(spec.hosts)}); node ranks are 0..{len(spec.world) - 1}")
+    return rank

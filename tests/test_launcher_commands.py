@@ -1,0 +1,285 @@
+"""What each multi-node runner executes (``launcher/commands.py``), as exact command lines, and the
+environment a job forwards to its hosts (``launcher/environment.py``). Pure values, plus three small real
+checks: the remote shell string run by ``sh``, pdsh's substitution with a stand-in ``ssh``, and the stop
+script against real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from zerospeed.launcher.commands import (
+    RemoteLaunch,
+    launches,
+    preflight_launches,
+    remote_shell,
+    runner_executable,
+    stop_commands,
+    stop_script,
+)
+from zerospeed.launcher.environment import (
+    env_file_paths,
+    forwarded_environment,
+    parse_env_file,
+    read_env_files,
+)
+from zerospeed.launcher.errors import LauncherError
+from zerospeed.launcher.job import JobSpec
+from zerospeed.launcher.plan import Program
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC = JobSpec(job_id="abc123def456", world=(("h0", (0, 1)), ("h1", (0,)), ("h2", (1, 2))),
+               master_addr="h0", master_port=29500, program=Program(script="train.py", args=("--x", "a b")))
+TOKEN = SPEC.encode()
+EXPORTS = {"NCCL_DEBUG": "INFO", "PYTHONPATH": "/work dir:/lib", "ZEROSPEED_X": "a,b%c"}
+SSH = ("ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-o", "ServerAliveInterval=5",
+       "-o", "ServerAliveCountMax=3")
+NODE = ("/venv/bin/python", "-u", "-m", "zerospeed.launcher.node", f"--job={TOKEN}")
+EXPORT_SHELL = "export NCCL_DEBUG=INFO; export PYTHONPATH='/work dir:/lib'; export ZEROSPEED_X=a,b%c;"
+STOP = ('p=$(cat "${TMPDIR:-${TEMP:-${TMP:-/tmp}}}/zerospeed-job-abc123def456/agent.pid" 2>/dev/null) '
+        '&& grep -qa zerospeed.launcher.node "/proc/$p/cmdline" 2>/dev/null && kill -TERM "$p"; exit 0')
+
+
+def _launches(runner: str, *, launcher_args: tuple[str, ...] = (), ssh_port: int | None = None,
+              **extra: object) -> tuple[RemoteLaunch, ...]:
+    return launches(SPEC, runner, launcher_args=launcher_args, ssh_port=ssh_port, exports=EXPORTS,
+                    cwd="/work dir", python="/venv/bin/python", **extra)  # type: ignore[arg-type]
+
+
+# --- the node agent's launch, per runner ------------------------------------------------------------
+
+
+def test_pdsh_one_process_for_all_hosts_named_by_pdsh() -> None:
+    (launch,) = _launches("pdsh", launcher_args=("-u", "30"), ssh_port=2222,
+                          local_environ={"PDSH_SSH_ARGS_APPEND": "-q"})
+    assert launch.argv == (
+        "pdsh", "-S", "-f", "1024", "-R", "ssh", "-w", "h0,h1,h2", "-u", "30",
+        # pdsh substitutes %h (and %n, %u): our own '%' is written '%%'
+        "export NCCL_DEBUG=INFO; export PYTHONPATH='/work dir:/lib'; export ZEROSPEED_X=a,b%%c; "
+        f"cd '/work dir' && exec /venv/bin/python -u -m zerospeed.launcher.node --job={TOKEN} --watch_stdin "
+        "--node_host=%h",
+    )
+    assert launch.hosts == ("h0", "h1", "h2")
+    assert dict(launch.env) == {
+        "PDSH_RCMD_TYPE": "ssh",
+        "PDSH_SSH_ARGS_APPEND": "-q -o BatchMode=yes -o ConnectTimeout=10 -o ServerAliveInterval=5 "
+                                "-o ServerAliveCountMax=3 -p 2222",
+    }
+
+
+def test_save_pid_passes_the_runners_pid_to_every_agent() -> None:
+    (launch,) = _launches("mpich", save_pid=4242)
+    assert launch.argv[-2:] == (f"--job={TOKEN}", "--save_pid=4242")
+    assert _launches("ssh", save_pid=4242)[1].argv[-1].endswith(
+        f"--job={TOKEN} --save_pid=4242 --watch_stdin --node_rank=1")
+
+
+def test_ssh_one_process_per_host_with_its_node_rank() -> None:
+    got = _launches("ssh", launcher_args=("-i", "/k"), ssh_port=2222)
+    assert got == tuple(
+        RemoteLaunch(argv=(*SSH, "-p", "2222", "-i", "/k", host,
+                           f"{EXPORT_SHELL} cd '/work dir' && exec /venv/bin/python -u -m zerospeed.launcher.node "
+                           f"--job={TOKEN} --watch_stdin --node_rank={rank}"), hosts=(host,))
+        for rank, host in enumerate(("h0", "h1", "h2")))
+
+
+def test_openmpi_one_application_context_per_host() -> None:
+    (launch,) = _launches("openmpi", launcher_args=("--allow-run-as-root",), ssh_port=2222,
+                          executable="mpirun.openmpi")
+
+    def context(rank: int, host: str) -> tuple[str, ...]:
+        return ("-n", "1", "--host", host, "-wdir", "/work dir", "-x", "NCCL_DEBUG=INFO",
+                "-x", "PYTHONPATH=/work dir:/lib", "-x", "ZEROSPEED_X=a,b%c", *NODE, f"--node_rank={rank}")
+
+    assert launch.argv == ("mpirun.openmpi", "--mca", "plm_rsh_args", "-p 2222", "--allow-run-as-root",
+                           *context(0, "h0"), ":", *context(1, "h1"), ":", *context(2, "h2"))
+    assert (launch.hosts, dict(launch.env)) == (("h0", "h1", "h2"), {})
+
+
+def test_mpich_hydra_one_rank_per_host_in_host_order() -> None:
+    (launch,) = _launches("mpich", launcher_args=("-iface", "eth1"), executable="mpirun.mpich")
+    assert launch.argv == ("mpirun.mpich", "-n", "3", "-ppn", "1", "-hosts", "h0,h1,h2", "-iface", "eth1",
+                           "-genv", "NCCL_DEBUG", "INFO", "-genv", "PYTHONPATH", "/work dir:/lib",
+                           "-genv", "ZEROSPEED_X", "a,b%c", "-wdir", "/work dir", *NODE)
+    with pytest.raises(LauncherError) as info:
+        _launches("mpich", ssh_port=2222)
+    assert str(info.value) == (
+        "--ssh_port 2222 cannot be passed to MPICH's hydra (it has no option for ssh arguments); set 'Port' for "
+        "these hosts in ~/.ssh/config instead, or use --launcher pdsh, ssh or openmpi")
+
+
+def test_slurm_srun_names_the_nodes_and_the_agent_finds_itself_by_slurm_node_name() -> None:
+    (launch,) = _launches("slurm", launcher_args=("--partition", "gpu"))
+    assert launch.argv == (
+        "srun", "--nodes=3", "--ntasks=3", "--ntasks-per-node=1", "--nodelist=h0,h1,h2", "--partition", "gpu",
+        "--kill-on-bad-exit=1", "--chdir=/work dir",
+        # srun splits --export at commas: a value holding one travels through srun's own environment
+        "--export=ALL,NCCL_DEBUG=INFO,PYTHONPATH=/work dir:/lib,ZEROSPEED_X",
+        "sh", "-c", f'exec /venv/bin/python -u -m zerospeed.launcher.node --job={TOKEN} '
+                    '--node_host="$SLURMD_NODENAME"')
+    assert dict(launch.env) == {"ZEROSPEED_X": "a,b%c"}
+
+
+def test_no_ssh_starts_nothing_remotely_and_unknown_runners_are_refused() -> None:
+    assert _launches("no_ssh") == ()
+    assert stop_commands(SPEC, "no_ssh", launcher_args=(), ssh_port=None) == ()
+    with pytest.raises(LauncherError, match=r"^unknown launcher 'impi'; choose one of pdsh, openmpi, mpich, "
+                                            r"slurm, ssh, no_ssh$"):
+        _launches("impi")
+
+
+def test_preflight_runs_through_the_same_runner_naming_each_host() -> None:
+    def preflight(runner: str) -> tuple[RemoteLaunch, ...]:
+        return preflight_launches(SPEC, runner, launcher_args=(), ssh_port=None, exports={}, cwd="/w",
+                                  python="py")
+
+    probe = f"py -u -m zerospeed.launcher.preflight --job={TOKEN}"
+    assert [launch.argv[-1] for launch in preflight("ssh")] == [
+        f"cd /w && exec {probe} --node_host={host}" for host in ("h0", "h1", "h2")]
+    assert preflight("pdsh")[0].argv[-1] == f"cd /w && exec {probe} --node_host=%h"
+    assert preflight("openmpi")[0].argv[-4:] == ("-m", "zerospeed.launcher.preflight", f"--job={TOKEN}",
+                                                 "--node_host=h2")
+    assert preflight("mpich")[0].argv[-1] == f"--job={TOKEN}"
+
+
+def test_stop_commands_kill_this_jobs_agents_by_pid_through_the_runner() -> None:
+    def stop(runner: str, **extra: object) -> list[tuple[str, ...]]:
+        return [launch.argv for launch in stop_commands(SPEC, runner, launcher_args=(), ssh_port=None,
+                                                        **extra)]  # type: ignore[arg-type]
+
+    assert stop("pdsh") == [("pdsh", "-S", "-f", "1024", "-R", "ssh", "-w", "h0,h1,h2", STOP)]
+    assert stop("ssh") == [(*SSH, host, STOP) for host in ("h0", "h1", "h2")]
+    assert stop("openmpi", executable="mpirun.openmpi") == [
+        ("mpirun.openmpi", "-n", "3", "--host", "h0,h1,h2", "--map-by", "ppr:1:node", "sh", "-c", STOP)]
+    assert stop("mpich") == [("mpirun", "-n", "3", "-ppn", "1", "-hosts", "h0,h1,h2", "sh", "-c", STOP)]
+    assert stop("slurm") == [("srun", "--nodes=3", "--ntasks=3", "--ntasks-per-node=1", "--nodelist=h0,h1,h2",
+                              "--overlap", "sh", "-c", STOP)]
+    assert "pkill" not in STOP and stop_script("abc123def456") == STOP
+
+
+def test_runner_executable_prefers_the_binary_that_names_one_mpi() -> None:
+    both = {"mpirun", "mpirun.openmpi", "mpirun.mpich", "srun", "pdsh", "ssh"}
+    assert runner_executable("openmpi", lambda name: name if name in both else None) == "mpirun.openmpi"
+    assert runner_executable("mpich", lambda name: name if name in both else None) == "mpirun.mpich"
+    assert runner_executable("mpich", lambda name: name if name in {"mpiexec.hydra", "mpirun"} else None) == (
+        "mpiexec.hydra")
+    assert runner_executable("openmpi", lambda name: name if name == "mpirun" else None) == "mpirun"
+    assert runner_executable("slurm", lambda name: name if name in both else None) == "srun"
+    with pytest.raises(LauncherError) as info:
+        runner_executable("pdsh", lambda name: None)
+    assert str(info.value) == ("--launcher pdsh needs 'pdsh' on PATH, and it is not there; install it (Debian: "
+                               "apt install pdsh) or pick another --launcher (pdsh, openmpi, mpich, slurm, ssh)")
+
+
+def test_exports_must_be_shell_names() -> None:
+    with pytest.raises(LauncherError, match=r"^cannot export variable 'A-B' to the hosts: not a shell variable"):
+        launches(SPEC, "ssh", launcher_args=(), ssh_port=None, exports={"A-B": "1"}, cwd="/", python="py")
+
+
+# --- real shells and processes -------------------------------------------------------------------------
+
+
+def test_the_remote_shell_string_gives_the_program_its_exact_arguments_and_variables(tmp_path: Path) -> None:
+    show = "import json, os, sys; print(json.dumps([sys.argv[1:], os.getcwd(), os.environ['Q'], os.environ['P']]))"
+    args = ("a b", "$HOME", "it's", "%n", "")
+    shell = remote_shell({"Q": "x y'z\"$HOME", "P": "%h"}, str(tmp_path), (sys.executable, "-c", show, *args))
+    done = subprocess.run(["sh", "-c", shell], capture_output=True, text=True, timeout=30, check=True)
+    assert json.loads(done.stdout) == [list(args), str(tmp_path), "x y'z\"$HOME", "%h"]
+    missing = remote_shell({}, str(tmp_path / "absent"), ("true",))
+    assert subprocess.run(["sh", "-c", missing], capture_output=True, timeout=30).returncode != 0
+
+
+@pytest.mark.skipif(shutil.which("pdsh") is None, reason="pdsh is not installed")
+def test_pdsh_substitutes_the_host_and_keeps_our_percent_signs(tmp_path: Path) -> None:
+    """pdsh runs a stand-in ``ssh`` (first on PATH) that records what it was asked to run per host."""
+    fake = tmp_path / "ssh"  # writes its last argument (the remote command) to $OUT/<the host before it>
+    fake.write_text(f"#!{sys.executable}\nimport os, sys\n"
+                    "open(os.path.join(os.environ['OUT'], sys.argv[-2]), 'w').write(sys.argv[-1])\n")
+    fake.chmod(0o755)
+    (launch,) = _launches("pdsh")
+    env = {**os.environ, **launch.env, "PATH": f"{tmp_path}:{os.environ['PATH']}", "OUT": str(tmp_path)}
+    subprocess.run(launch.argv, env=env, timeout=30, check=True, capture_output=True)
+    for host in ("h0", "h1", "h2"):
+        assert (tmp_path / host).read_text() == (
+            f"{EXPORT_SHELL} cd '/work dir' && exec {' '.join(NODE)} --watch_stdin --node_host={host}")
+
+
+def _sleeper(tmp_path: Path, marker: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", marker])
+
+
+def test_the_stop_script_signals_only_this_jobs_agent(tmp_path: Path) -> None:
+    agent = _sleeper(tmp_path, "zerospeed.launcher.node")  # its command line names the agent module
+    stranger = _sleeper(tmp_path, "something-else")
+    try:
+        folder = tmp_path / "zerospeed-job-abc123def456"
+        folder.mkdir()
+        env = {"PATH": os.environ["PATH"], "TMPDIR": str(tmp_path)}
+        (folder / "agent.pid").write_text(str(stranger.pid))  # a PID recycled by another program
+        assert subprocess.run(["sh", "-c", STOP], env=env, timeout=30).returncode == 0
+        time.sleep(0.2)
+        assert stranger.poll() is None
+        (folder / "agent.pid").write_text(str(agent.pid))
+        assert subprocess.run(["sh", "-c", STOP], env=env, timeout=30).returncode == 0
+        assert agent.wait(timeout=10) == -signal.SIGTERM
+        (folder / "agent.pid").unlink()  # the agent is gone and removed its file: nothing to do, exit 0
+        assert subprocess.run(["sh", "-c", STOP], env=env, timeout=30).returncode == 0
+    finally:
+        for process in (agent, stranger):
+            process.kill()
+            process.wait()
+
+
+# --- the forwarded environment -------------------------------------------------------------------------
+
+
+def test_forwarded_environment_families_pythonpath_and_files_in_deepspeeds_order() -> None:
+    environ = {"HOME": "/home/u", "NCCL_IB_HCA": "mlx5", "PYTHONPATH": "/lib", "PATH": "/bin",
+               "UCX_TLS": "tcp", "MLFLOW_RUN": "r", "MV2_X": "1", "ZEROSPEED_LOG": "info", "NCCL.BAD": "x",
+               "PYTHONHASHSEED": "0"}
+    files = (("/home/u/.deepspeed_env", "# cluster\nNCCL_SOCKET_IFNAME=eth0\n\nUCX_TLS = rc \n"),
+             ("/w/.deepspeed_env", "NCCL_SOCKET_IFNAME=ib0\nMY_VAR=a=b\n"))
+    assert list(forwarded_environment(environ, files, cwd="/w").items()) == [
+        ("NCCL_IB_HCA", "mlx5"), ("PYTHONPATH", "/w:/lib"), ("UCX_TLS", "rc"), ("MLFLOW_RUN", "r"),
+        ("MV2_X", "1"), ("ZEROSPEED_LOG", "info"), ("PYTHONHASHSEED", "0"), ("NCCL_SOCKET_IFNAME", "ib0"),
+        ("MY_VAR", "a=b"),
+    ]
+    # no PYTHONPATH of our own: the launch folder alone, appended; AISC nodes set NCCL_IB_HCA themselves
+    assert forwarded_environment({"AISC_JOB_NAME": "j", "NCCL_IB_HCA": "m", "NCCL_A": "1"}, (), cwd="/w") == {
+        "NCCL_A": "1", "PYTHONPATH": "/w"}
+
+
+def test_env_file_errors_name_file_and_line() -> None:
+    with pytest.raises(LauncherError) as info:
+        parse_env_file("A=1\nexport B=2\n", source="/home/u/.deepspeed_env")
+    assert str(info.value) == (
+        "/home/u/.deepspeed_env:2: expected 'NAME=VALUE' with NAME made of letters, digits and '_' (not starting "
+        "with a digit), got 'export B=2'; fix the line or remove it")
+    with pytest.raises(LauncherError, match=r"^f:1: expected 'NAME=VALUE'"):
+        parse_env_file("NO_EQUALS_SIGN", source="f")
+
+
+def test_env_file_paths_home_then_cwd_and_ds_env_file(tmp_path: Path) -> None:
+    assert env_file_paths({}, home="/h", cwd="/w") == ("/h/.deepspeed_env", "/w/.deepspeed_env")
+    assert env_file_paths({"DS_ENV_FILE": "job.env"}, home="/h", cwd="/w") == ("/h/job.env", "/w/job.env")
+    assert env_file_paths({"DS_ENV_FILE": "/etc/job.env"}, home="/h", cwd="/w") == ("/etc/job.env",)
+    assert env_file_paths({}, home="/w", cwd="/w") == ("/w/.deepspeed_env",)
+    (tmp_path / ".deepspeed_env").write_text("A=1\n")
+    assert read_env_files([str(tmp_path / "absent"), str(tmp_path / ".deepspeed_env")]) == (
+        (str(tmp_path / ".deepspeed_env"), "A=1\n"),)
+
+
+def test_commands_import_without_torch() -> None:
+    code = ("import sys\nimport zerospeed.launcher.commands, zerospeed.launcher.environment, "
+            "zerospeed.launcher.cli\nassert 'torch' not in sys.modules, 'torch'\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
