@@ -100,13 +100,13 @@ def test_wildcard_does_not_cover_plain_keys() -> None:
         cfg.check_implemented(frozenset({"pipeline=*"}))
 
 
-def test_elasticity_is_a_feature_and_skips_batch_arithmetic() -> None:
-    # DeepSpeed computes the batch from the elasticity section; zerospeed does not (yet),
-    # so the batch stays unset and the feature is reported for the engine to refuse.
+def test_elasticity_is_a_feature_and_derives_the_batch() -> None:
+    # As DeepSpeed, the elasticity section decides the batch (zerospeed.elasticity; see test_elasticity.py),
+    # and the feature is still reported by name (the engine lists it as implemented).
     cfg = load_config({"gradient_clipping": 0.0, "elasticity": {"enabled": True, "max_train_batch_size": 2000,
                                       "micro_batch_sizes": [2, 4, 6], "min_gpus": 1,
                                       "max_gpus": 10000, "version": 0.1}})
-    assert cfg.train_batch_size is None
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (1680, 6, 280)
     assert cfg.features_in_use() == ("elasticity",)
     with pytest.raises(NotImplementedError, match=r": elasticity$"):
         cfg.check_implemented(frozenset())

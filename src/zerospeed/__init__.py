@@ -36,7 +36,7 @@ _LAZY = {
 
 # Subpackages reachable as attributes after a bare ``import zerospeed`` (``zerospeed.zero.Init``).
 _SUBMODULES = ("zero", "utils", "checkpoint", "ops", "checkpointing", "comm", "runtime", "moe", "accelerator",
-               "profiling", "monitor")
+               "profiling", "monitor", "elasticity")
 
 __all__ = ["__version__", *_LAZY, *_SUBMODULES]
 

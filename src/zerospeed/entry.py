@@ -59,6 +59,7 @@ IMPLEMENTED = frozenset({
     "activation_checkpointing.cpu_checkpointing", "activation_checkpointing.contiguous_memory_optimization",
     "activation_checkpointing.synchronize_checkpoint_boundary", "activation_checkpointing.profile",
     "wall_clock_breakdown", "sparse_gradients", "progressive_layer_drop", "comms_logger", "flops_profiler",
+    "elasticity",  # Config.build derives the batch sizes at the data-parallel size (zerospeed.elasticity)
     "tensorboard", "csv_monitor", "wandb", "comet",
     # save_16bit_model / _zero3_consolidated_16bit_state_dict always gather the stage-3 shards.
     "zero_optimization.stage3_gather_16bit_weights_on_model_save",

@@ -241,6 +241,8 @@ def _manifest(engine: CheckpointedEngine, topo: CheckpointTopology, tag: str) ->
                      "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
                      "gradient_accumulation_steps": engine.gradient_accumulation_steps()},
         "loss_scaler": {"class": type(engine.scaler).__name__, **engine.scaler.state_dict()},
+        # the data position at any world size (the ranks' own positions only apply at the same layout)
+        "data": engine.training_dataloader.position() if engine.training_dataloader is not None else None,
         **({"pipeline": {"degree": topo.pipeline_degree}} if topo.pipeline_degree > 1 else {}),
         "optimizer": None if optimizer is None else {
             "class": type(optimizer).__name__, "param_groups": describe_groups(optimizer, group_params)},
@@ -523,13 +525,23 @@ def _loader_state(engine: CheckpointedEngine) -> dict[str, int] | None:
 
 
 def _restore_loader(engine: CheckpointedEngine, manifest: dict[str, Any], rank_state: dict[str, Any] | None) -> None:
-    """Continue the data where the saved run was; across a world-size change, at the same number of
-    samples consumed (rounded down to whole micro-batches)."""
+    """Continue the data where the saved run was; across a world-size change, at the next sample of
+    the saved epoch's order, resharded over this run's ranks (checkpoints from before the manifest held
+    the position: at the same number of samples consumed, rounded down to whole micro-batches)."""
     loader = engine.training_dataloader
     if loader is None:
         return
     if rank_state is not None and rank_state.get("loader") is not None:
         loader.load_state_dict(rank_state["loader"])
+        return
+    position = manifest.get("data")
+    if position is not None:
+        size = len(loader.sampler.dataset)  # type: ignore[arg-type]  # a map-style (Sized) dataset
+        if int(position.get("dataset_size", size)) != size and engine.comm.rank == 0:
+            log.warning("load_checkpoint: the checkpoint's data position is sample %s of epoch %s of a data set of %s "
+                        "samples, but this run's has %d; it continues at that sample of this data set's order",
+                        position["samples"], position["epoch"], position.get("dataset_size"), size)
+        loader.resume_at(int(position["epoch"]), int(position["samples"]))
         return
     samples = int(manifest["counters"]["global_samples"])
     per_step = engine.train_micro_batch_size_per_gpu() * engine.comm.world_size

@@ -169,9 +169,8 @@ class TrainingPolicy:
 def _batch(value: int | Auto | None, key: str) -> int:
     number = resolved(value, key)
     if number is None:
-        raise ConfigError(f"{key}: not derived (elasticity decides the batch sizes, which zerospeed "
-                          "does not implement); give train_batch_size and/or "
-                          "train_micro_batch_size_per_gpu")
+        raise ConfigError(f"{key}: not derived for this config; give train_batch_size and/or "
+                          "train_micro_batch_size_per_gpu, or enable the elasticity section to have them chosen")
     return number
 
 

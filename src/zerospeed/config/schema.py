@@ -60,7 +60,17 @@ class Config(ConfigSections):
         given = (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
                  cfg.gradient_accumulation_steps)
         train, micro, gas = given
-        if (not cfg.elasticity.enabled and not isinstance(train, Auto)
+        if cfg.elasticity.enabled:
+            # DeepSpeed's elastic branch: the section, as written, decides all three at this world size
+            from zerospeed.elasticity.runtime import elastic_batch
+
+            elastic = elastic_batch(data, world_size)
+            cfg = cfg.model_copy(update={
+                "train_batch_size": elastic.train_batch_size,
+                "train_micro_batch_size_per_gpu": elastic.train_micro_batch_size_per_gpu,
+                "gradient_accumulation_steps": elastic.gradient_accumulation_steps,
+            })
+        elif (not isinstance(train, Auto)
                 and not isinstance(micro, Auto) and not isinstance(gas, Auto)):
             sizes = resolve_batch(train, micro, gas, world_size=world_size)
             cfg = cfg.model_copy(update={

@@ -187,7 +187,10 @@ class EigenvalueConfig(Section):
 
 
 class ElasticityConfig(Section):
-    """``elasticity``: batch size chosen from the GPU count (not implemented)."""
+    """``elasticity``: the batch sizes chosen from the data-parallel size, so an elastic job keeps its global
+    batch at every world size it restarts at. When enabled, :meth:`Config.build` derives the three batch
+    keys with :func:`zerospeed.elasticity.compute_elastic_config` (DeepSpeed's arithmetic) from the section
+    as written; the typed fields here only check the values' types."""
 
     enabled: Annotated[bool, zbool()] = False
     max_train_batch_size: Annotated[int, zint(ge=1)] = 2000

@@ -3,6 +3,9 @@
 :class:`DistributedLoader` wraps a torch ``DataLoader`` over a :class:`ResumableSampler` (torch's
 ``DistributedSampler`` plus a resume position), reshuffles every epoch without the user calling
 ``set_epoch``, and can save and restore exactly where it was, so a resumed run sees the same batches.
+Its :meth:`~DistributedLoader.position` is the same at every world size (an epoch and a count of that
+epoch's samples consumed by all ranks together), so a run resumed on more or fewer ranks (an elastic
+restart) continues at the next global sample, resharded over its ranks.
 """
 
 from __future__ import annotations
@@ -112,6 +115,9 @@ class DistributedLoader:
                                   pin_memory=pin_memory, generator=self._generator)
         self.epoch = 0
         self.batches_in_epoch = 0  # micro-batches already yielded in the current epoch
+        # Samples of the current epoch this rank skips before those micro-batches: set by resume_at
+        # (a resume at another world size), so the epoch goes on at a sample, not a micro-batch, boundary.
+        self.sample_offset = 0
 
     def __len__(self) -> int:
         """Micro-batches in a whole epoch on this rank."""
@@ -121,7 +127,7 @@ class DistributedLoader:
     def __iter__(self) -> Iterator[Any]:
         self.sampler.set_epoch(self.epoch)
         self._generator.manual_seed(self.sampler.seed + self.epoch)  # worker seeds depend on (seed, epoch) only
-        self.sampler.start_index = self.batches_in_epoch * self.micro_batch_size
+        self.sampler.start_index = self.sample_offset + self.batches_in_epoch * self.micro_batch_size
         try:
             for batch in self._loader:
                 self.batches_in_epoch += 1
@@ -130,14 +136,52 @@ class DistributedLoader:
             self.sampler.start_index = 0
         self.epoch += 1
         self.batches_in_epoch = 0
+        self.sample_offset = 0
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch}
+        """This rank's position (exact for a resume at the same world size and micro batch)."""
+        state = {"epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch}
+        if self.sample_offset:
+            state["sample_offset"] = self.sample_offset
+        return state
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Resume at the saved position: the next iteration continues that epoch's order."""
         self.epoch = int(state["epoch"])
         self.batches_in_epoch = int(state["batches_in_epoch"])
+        self.sample_offset = int(state.get("sample_offset", 0))
+
+    def position(self) -> dict[str, int]:
+        """Where the data stands for all ranks together, independent of the world size: ``epoch`` and
+        ``samples``, the number of that epoch's ordered samples already consumed (the ranks take the
+        epoch's order round-robin, so consumed samples are always a prefix of it), and ``dataset_size``.
+        A finished epoch is reported as the next one at 0."""
+        per_rank = self.sampler.num_samples
+        consumed = min(self.sample_offset + self.batches_in_epoch * self.micro_batch_size, per_rank)
+        left = per_rank - consumed
+        size = len(self.sampler.dataset)  # type: ignore[arg-type]  # a map-style (Sized) dataset
+        samples = consumed * self.sampler.num_replicas
+        if left <= 0 or (self.drop_last and left < self.micro_batch_size) or samples >= size:
+            return {"epoch": self.epoch + 1, "samples": 0, "dataset_size": size}
+        return {"epoch": self.epoch, "samples": samples, "dataset_size": size}
+
+    def resume_at(self, epoch: int, samples: int) -> None:
+        """Continue at sample ``samples`` of ``epoch``'s order (a :meth:`position` saved at any world
+        size): this rank takes the rest of the epoch's order round-robin, as an uninterrupted run at
+        this world size would from that sample on. When ``samples`` is not a multiple of the world size
+        the start is rounded down to one, so up to world size - 1 samples are seen twice, never skipped."""
+        if epoch < 0 or samples < 0:
+            raise ValueError(f"resume_at(epoch={epoch}, samples={samples}): both must be >= 0")
+        world = self.sampler.num_replicas
+        per_rank, extra = divmod(samples, world)
+        if extra and self.sampler.rank == 0:
+            log.warning("data position: epoch %d resumes at sample %d, the multiple of the %d data-parallel ranks "
+                        "below the saved %d: %d sample(s) are seen again (save at optimizer-step boundaries with a "
+                        "global batch divisible by the world size to resume exactly)", epoch, samples - extra, world,
+                        samples, extra)
+        self.epoch = epoch
+        self.batches_in_epoch = 0
+        self.sample_offset = per_rank
 
 
 class RepeatingLoader:
