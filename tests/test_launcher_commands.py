@@ -44,8 +44,9 @@ SSH = ("ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-o", "ServerAli
        "-o", "ServerAliveCountMax=3")
 NODE = ("/venv/bin/python", "-u", "-m", "zerospeed.launcher.node", f"--job={TOKEN}")
 EXPORT_SHELL = "export NCCL_DEBUG=INFO; export PYTHONPATH='/work dir:/lib'; export ZEROSPEED_X=a,b%c;"
-STOP = ('p=$(cat "${TMPDIR:-${TEMP:-${TMP:-/tmp}}}/zerospeed-job-abc123def456/agent.pid" 2>/dev/null) '
-        '&& grep -qa zerospeed.launcher.node "/proc/$p/cmdline" 2>/dev/null && kill -TERM "$p"; exit 0')
+STOP = ('for f in "${TMPDIR:-${TEMP:-${TMP:-/tmp}}}/zerospeed-job-abc123def456-$(uname -n)"-n*/agent.pid; '
+        'do p=$(cat "$f" 2>/dev/null) && grep -qa zerospeed.launcher.node "/proc/$p/cmdline" 2>/dev/null '
+        '&& kill -TERM "$p"; done; exit 0')
 
 
 def _launches(runner: str, *, launcher_args: tuple[str, ...] = (), ssh_port: int | None = None,
@@ -220,8 +221,11 @@ def test_the_stop_script_signals_only_this_jobs_agent(tmp_path: Path) -> None:
     agent = _sleeper(tmp_path, "zerospeed.launcher.node")  # its command line names the agent module
     stranger = _sleeper(tmp_path, "something-else")
     try:
-        folder = tmp_path / "zerospeed-job-abc123def456"
+        folder = tmp_path / f"zerospeed-job-abc123def456-{os.uname().nodename}-n1"
         folder.mkdir()
+        other_host = tmp_path / "zerospeed-job-abc123def456-another-host-n0"  # a shared /tmp: never read
+        other_host.mkdir()
+        (other_host / "agent.pid").write_text(str(agent.pid))
         env = {"PATH": os.environ["PATH"], "TMPDIR": str(tmp_path)}
         (folder / "agent.pid").write_text(str(stranger.pid))  # a PID recycled by another program
         assert subprocess.run(["sh", "-c", STOP], env=env, timeout=30).returncode == 0

@@ -424,7 +424,7 @@ def test_the_last_lock_holder_removes_the_run_folder(tmp_path: Path) -> None:
         first.close()
         second.close()
     with pytest.raises(ValueError, match=r"--run-dir '/tmp' is not a zerospeed launch folder \(its name must "
-                                         r"start with 'zerospeed-launch-'\); refusing"):
+                                         r"start with 'zerospeed-launch-' or 'zerospeed-job-'\); refusing"):
         RunDirLock("/tmp")
 
 

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import math
 import os
+import sys
 import time
 import uuid
 import weakref
@@ -28,6 +29,7 @@ from zerospeed.data.loader import DistributedLoader
 from zerospeed.distributed.comm import Comm, CommCounts
 from zerospeed.distributed.mesh import Mesh
 from zerospeed.engine_api import DeepSpeedEngineAPI
+from zerospeed.launcher.elastic_env import ElasticRestart, restart_message
 from zerospeed.layer_drop import LayerDropSchedule
 from zerospeed.monitor.events import NoStepEvents, StepEvents
 from zerospeed.precision.nonfinite import NonFiniteStep, NonFiniteSteps, classify
@@ -106,6 +108,8 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self.global_steps = 0
         self.global_samples = 0
         self.skipped_steps = 0
+        # Started by the node agent's elastic restart: the downtime is logged at the first step (then None).
+        self._elastic_restart = ElasticRestart.from_environ(os.environ)
         self._skipped_at_print = 0  # skipped_steps at the last progress line
         self._window_loss: torch.Tensor | None = None  # this rank's losses of the window, summed (nan/inf stay)
         self._step_applied = False
@@ -266,6 +270,18 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
     def _count_step(self) -> None:
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
+        if self._elastic_restart is not None:
+            self._log_elastic_restart(self._elastic_restart)
+
+    def _log_elastic_restart(self, restart: ElasticRestart) -> None:
+        """Rank 0 says how long the job stood still (host lost -> this first step); once per process."""
+        self._elastic_restart = None
+        if self.comm.global_ranks[self.comm.rank] == 0:
+            dist = torch.distributed
+            world = dist.get_world_size() if dist.is_initialized() else self.comm.world_size
+            line = restart_message(restart, world_size=world, now=time.time())
+            log.info("%s", line)
+            print(line, file=sys.stderr, flush=True)
 
     def _window_loss_value(self) -> float:
         """This rank's losses of the window, summed (nan or inf when any was; 0.0 when none was seen).

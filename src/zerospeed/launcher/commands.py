@@ -26,7 +26,7 @@ go where DeepSpeed puts them: after pdsh's host list, before Open MPI's and MPIC
 options), after srun's node options; for ssh, before the host.
 
 Stopping a job (:func:`stop_commands`) kills each host's agent by the PID it recorded in
-``<tmp>/zerospeed-job-<job_id>/agent.pid`` (the agent stops its workers), through the same runner; never
+``<tmp>/zerospeed-job-<job_id>-<hostname>-n<node rank>/agent.pid`` (the agent stops its workers), through the same runner; never
 by a name pattern, so another job's processes are never touched.
 """
 
@@ -196,21 +196,24 @@ def stop_commands(
 
 
 def agent_pid_file(job_id: str) -> str:
-    """The agent's pid file as a shell word, relative to the host's temporary folder as Python's
-    :func:`tempfile.gettempdir` finds it (``$TMPDIR``, ``$TEMP``, ``$TMP``, else ``/tmp``)."""
+    """The agents' pid files of this job on one host, as a shell glob relative to the host's temporary
+    folder as Python's :func:`tempfile.gettempdir` finds it (``$TMPDIR``, ``$TEMP``, ``$TMP``, else
+    ``/tmp``): ``zerospeed-job-<id>-<uname -n>-n<node rank>/agent.pid``. The host's own name is part of
+    the folder because hosts may share their temporary folder (a cluster's shared file system): a host
+    must never read, and signal, a PID written by another host."""
     _check_job_id(job_id)
-    return f'"${{TMPDIR:-${{TEMP:-${{TMP:-/tmp}}}}}}/zerospeed-job-{job_id}/agent.pid"'
+    return f'"${{TMPDIR:-${{TEMP:-${{TMP:-/tmp}}}}}}/zerospeed-job-{job_id}-$(uname -n)"-n*/agent.pid'
 
 
 def stop_script(job_id: str) -> str:
-    """A ``sh`` script that sends SIGTERM to this job's agent on one host, if it still runs there.
+    """A ``sh`` script that sends SIGTERM to this job's agent(s) on one host, if they still run there.
 
     The PID comes from the agent's own pid file; the process must still be a node agent (its command line
     names :data:`NODE_MODULE`), so a PID recycled after an agent died unclean is left alone. Exits 0 when
     there is nothing to stop."""
     pid_file = agent_pid_file(job_id)
-    return (f"p=$(cat {pid_file} 2>/dev/null) && grep -qa {NODE_MODULE} \"/proc/$p/cmdline\" 2>/dev/null "
-            "&& kill -TERM \"$p\"; exit 0")
+    return (f"for f in {pid_file}; do p=$(cat \"$f\" 2>/dev/null) && grep -qa {NODE_MODULE} "
+            "\"/proc/$p/cmdline\" 2>/dev/null && kill -TERM \"$p\"; done; exit 0")
 
 
 def remote_shell(exports: Mapping[str, str], cwd: str, argv: Sequence[str]) -> str:

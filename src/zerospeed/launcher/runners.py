@@ -23,7 +23,7 @@ import socket
 import sys
 import tempfile
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, TextIO
 
 from zerospeed.distributed.defaults import free_port
@@ -32,9 +32,13 @@ from zerospeed.launcher.plan import DEFAULT_MASTER_PORT, LaunchPlan, Program
 from zerospeed.launcher.worker_guard import RUN_DIR_PREFIX, ProcessIdentity, guard_argv
 
 if TYPE_CHECKING:
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing import LogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig
 
-__all__ = ["choose_master_port", "guarded_command", "local_command", "port_is_free", "run", "run_local"]
+__all__ = ["agent_config", "choose_master_port", "guarded_command", "local_command", "port_is_free", "run",
+           "run_agent", "run_local"]
 
 # torch's agent substitutes this macro in worker arguments with each worker's local rank.
 _LOCAL_RANK_MACRO = "${local_rank}"
@@ -72,17 +76,18 @@ def local_command(program: Program, python: str | None = None) -> tuple[str, lis
 
 def guarded_command(command: tuple[str, list[str]], *, run_dir: str, grace_s: float,
                     launcher: ProcessIdentity | None = None,
-                    python: str | None = None) -> tuple[str, list[str]]:
+                    python: str | None = None, bind_cores: str | None = None) -> tuple[str, list[str]]:
     """Wrap :func:`local_command`'s ``command`` so the rank runs under the worker guard.
 
     The guard watches ``launcher`` (this process by default), replaces itself with the command by
     ``exec`` (same PID, argv, environment and exit status as without it) and, if the launcher dies
     first, stops the rank (SIGTERM, SIGKILL after ``grace_s``) and helps remove ``run_dir``. The
     command's executable becomes an argument, so it is escaped for the agent's substitution too.
+    ``bind_cores`` (a core list, or ``"all"``) pins each rank to its share of those cores first.
     """
     entry, args = command
     launcher = ProcessIdentity.of(os.getpid()) if launcher is None else launcher
-    guard = guard_argv(launcher, [], run_dir=run_dir, grace_s=grace_s)
+    guard = guard_argv(launcher, [], run_dir=run_dir, grace_s=grace_s, bind_cores=bind_cores)
     return python or sys.executable, [*(_escape_macros(a) for a in guard), _escape_macros(entry), *args]
 
 
@@ -143,37 +148,117 @@ def run_local(plan: LaunchPlan, *, log: TextIO | None = None) -> int:
 
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    host = f"[{plan.master_addr}]" if ":" in plan.master_addr else plan.master_addr
     with tempfile.TemporaryDirectory(prefix=RUN_DIR_PREFIX) as run_dir, _patched_environ(
         _worker_environ(plan, os.environ)
     ):
         entrypoint, args = guarded_command(local_command(plan.program), run_dir=run_dir,
                                            grace_s=_SHUTDOWN_GRACE_S)
-        config = LaunchConfig(
-            min_nodes=1,
-            max_nodes=1,
+        config = agent_config(
             nproc_per_node=plan.nproc_per_node,
             run_id=f"zerospeed-{uuid.uuid4().hex[:12]}",
-            role="zerospeed",
-            rdzv_backend="static",
-            rdzv_endpoint=f"{host}:{port}",
-            rdzv_configs={"rank": 0},
-            max_restarts=0,
-            monitor_interval=_MONITOR_INTERVAL_S,
-            local_addr=plan.master_addr,
+            master_addr=plan.master_addr,
+            master_port=port,
+            node_rank=0,
+            num_nodes=1,
             logs_specs=DefaultLogsSpecs(log_dir=run_dir),
-            shutdown_timeout=_SHUTDOWN_GRACE_S,
+            local_addr=plan.master_addr,
         )
         try:
-            elastic_launch(config, entrypoint)(*args)
+            run_agent(config, entrypoint, args)
         except ChildFailedError as failed:
             return _report_failure(failed, log)
         except SignalException as stopped:
             print(f"zerospeed: stopped by {stopped.sigval.name}; all ranks were terminated", file=log)
             return 128 + int(stopped.sigval)
     return 0
+
+
+def agent_config(*, nproc_per_node: int, run_id: str, master_addr: str, master_port: int, node_rank: int,
+                 num_nodes: int, logs_specs: LogsSpecs, local_addr: str | None,
+                 elastic: tuple[int, int, int] | None = None,
+                 rdzv_configs: Mapping[str, object] | None = None) -> LaunchConfig:
+    """torch's ``LaunchConfig`` for one host's agent: the one place single-node and multi-node jobs
+    configure it.
+
+    A fixed job (``elastic`` None) uses the static rendezvous: ``num_nodes`` agents, this one
+    ``node_rank``, the store on ``master_addr:master_port`` hosted by node 0, and no restarts, so the
+    first failed rank stops the job. An elastic job (``elastic = (min_nodes, max_nodes,
+    max_restarts)``) uses the c10d rendezvous on the same endpoint, hosted by node 0 (``is_host``:
+    explicit, so two agents on one machine never both try), with ``rdzv_configs`` on top (torch's
+    keys: ``join_timeout``, ``last_call_timeout``, ``close_timeout``, ``keep_alive_interval``, ...).
+    ``local_addr`` is how the other hosts reach this one (elastic: where node 0's workers find their
+    store); ``None`` lets torch use this machine's fully qualified name.
+    """
+    from torch.distributed.launcher.api import LaunchConfig
+
+    host = f"[{master_addr}]" if ":" in master_addr else master_addr
+    configs: dict[str, object]
+    if elastic is None:
+        min_nodes = max_nodes = num_nodes
+        backend, configs, restarts = "static", {"rank": node_rank}, 0
+    else:
+        min_nodes, max_nodes, restarts = elastic
+        backend, configs = "c10d", {"is_host": node_rank == 0}
+    configs.update(rdzv_configs or {})
+    return LaunchConfig(
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=nproc_per_node,
+        run_id=run_id,
+        role="zerospeed",
+        rdzv_backend=backend,
+        rdzv_endpoint=f"{host}:{master_port}",
+        rdzv_configs=configs,
+        max_restarts=restarts,
+        monitor_interval=_MONITOR_INTERVAL_S,
+        local_addr=local_addr,
+        logs_specs=logs_specs,
+        shutdown_timeout=_SHUTDOWN_GRACE_S,
+    )
+
+
+def run_agent(config: LaunchConfig, entrypoint: str, args: list[str], *,
+              agent_class: Callable[..., LocalElasticAgent] | None = None) -> None:
+    """Run torch's elastic agent as ``torch.distributed.launcher.api.launch_agent`` does, with
+    ``agent_class`` (a :class:`LocalElasticAgent` subclass, or a factory of one taking its arguments)
+    in its place, which ``launch_agent`` does not allow. Raises ``ChildFailedError`` when the workers failed and ``SignalException`` when this process
+    was told to stop (the workers are stopped either way), like ``elastic_launch``."""
+    import torch.distributed.elastic.rendezvous.registry as rdzv_registry
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    parameters = RendezvousParameters(backend=config.rdzv_backend, endpoint=config.rdzv_endpoint,
+                                      run_id=config.run_id, min_nodes=config.min_nodes,
+                                      max_nodes=config.max_nodes, local_addr=config.local_addr,
+                                      **config.rdzv_configs)
+    master_addr, master_port = parse_rendezvous_endpoint(config.rdzv_endpoint, default_port=-1)
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    spec = WorkerSpec(role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint,
+                      args=tuple(args), rdzv_handler=rdzv_registry.get_rendezvous_handler(parameters),
+                      max_restarts=config.max_restarts, monitor_interval=config.monitor_interval,
+                      master_addr=master_addr, master_port=master_port, local_addr=config.local_addr)
+    assert config.logs_specs is not None  # LaunchConfig fills in the default
+    agent = (agent_class or LocalElasticAgent)(spec=spec, logs_specs=config.logs_specs,
+                                               start_method=config.start_method,
+                                               shutdown_timeout=config.shutdown_timeout or _SHUTDOWN_GRACE_S)
+    shutdown_rdzv = True
+    try:
+        result = agent.run()
+        if result is not None and result.is_failed():
+            raise ChildFailedError(name=os.path.basename(entrypoint), failures=result.failures)
+    except SignalException:
+        # As torch: an agent stopped by a signal leaves the rendezvous open, so an elastic job's
+        # other hosts can go on (or this host can come back) under the same run id.
+        shutdown_rdzv = False
+        raise
+    finally:
+        if shutdown_rdzv:
+            spec.rdzv_handler.shutdown()
 
 
 def _worker_environ(plan: LaunchPlan, parent: Mapping[str, str]) -> dict[str, str]:
@@ -200,18 +285,18 @@ def _patched_environ(extra: Mapping[str, str]) -> Iterator[None]:
         os.environ.update(saved)
 
 
-def _report_failure(failed: ChildFailedError, log: TextIO) -> int:
+def _report_failure(failed: ChildFailedError, log: TextIO, host: str | None = None) -> int:
     """Name the rank that failed first and how; its traceback was already streamed to our stderr.
 
     Ranks the agent terminated afterwards are listed as stopped, not as failures, so the summary
-    points at the root cause.
+    points at the root cause. ``host`` (a multi-node job's node agent) names the host too.
     """
     first_rank, first = failed.get_first_failure()
-    print(
-        f"zerospeed: rank {first_rank} (local_rank {first.local_rank}, pid {first.pid}) "
-        f"{_describe_exit(first.exitcode)}; see its output above",
-        file=log,
-    )
+    if host is None:
+        where = f"rank {first_rank} (local_rank {first.local_rank}, pid {first.pid})"
+    else:
+        where = f"host {host} rank {first_rank} (local {first.local_rank}, pid {first.pid})"
+    print(f"zerospeed: {where} {_describe_exit(first.exitcode)}; see its output above", file=log)
     others = [rank for rank in sorted(failed.failures) if rank != first_rank]
     stopped = [r for r in others if failed.failures[r].exitcode == -int(signal.SIGTERM)]
     for rank in others:

@@ -79,15 +79,25 @@ import shutil  # noqa: E402
 import signal  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
-from collections.abc import Callable, Mapping, Sequence  # noqa: E402
+from collections.abc import Callable, Mapping, MutableMapping, Sequence  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
-__all__ = ["LOCK_NAME", "RUN_DIR_PREFIX", "GuardOptions", "ProcessIdentity", "ProcessWatch", "RunDirLock",
-           "guard_argv", "main", "parse_guard_args", "restore_signals", "run_dir_problem", "stop_process",
-           "wait_for_any", "wait_for_cleanup", "watch_rank"]
+__all__ = ["JOB_DIR_PREFIX", "LOCK_NAME", "RUN_DIR_PREFIX", "STDERR_FIFO_VARIABLE", "STDOUT_FIFO_VARIABLE",
+           "GuardOptions", "ProcessIdentity", "ProcessWatch", "RunDirLock", "bind_to_cores", "cores_of_rank",
+           "default_core_list", "guard_argv", "main", "parse_core_list", "parse_guard_args",
+           "redirect_output", "restore_signals", "run_dir_problem", "stop_process", "wait_for_any",
+           "wait_for_cleanup", "watch_rank"]
 
 # The launcher's temporary folder starts with this; the watcher refuses to remove any other folder.
 RUN_DIR_PREFIX = "zerospeed-launch-"
+# A multi-node job's folder on one host (``<tmp>/zerospeed-job-<job id>``, the node agent's): its
+# watchers may remove it too, so an agent killed outright leaves neither ranks nor its pid file behind.
+JOB_DIR_PREFIX = "zerospeed-job-"
+# Set by the node agent in each rank's environment: FIFOs (read by the agent, which prefixes every
+# line with the rank's host and rank) that the guard makes the rank's stdout and stderr. Removed from
+# the environment before the ``exec``.
+STDOUT_FIFO_VARIABLE = "ZEROSPEED_STDOUT_FIFO"
+STDERR_FIFO_VARIABLE = "ZEROSPEED_STDERR_FIFO"
 # The file in the run folder whose shared locks say "a rank may still be running".
 LOCK_NAME = "ranks.lock"
 # Seconds between looks at a process where no pidfd can be opened.
@@ -221,9 +231,9 @@ def wait_for_any(watches: Sequence[ProcessWatch], timeout: float | None) -> list
 
 def run_dir_problem(run_dir: str) -> str | None:
     """Why ``run_dir`` may not be handed to a watcher to remove (``None``: it may)."""
-    if not os.path.basename(os.path.normpath(run_dir)).startswith(RUN_DIR_PREFIX):
+    if not os.path.basename(os.path.normpath(run_dir)).startswith((RUN_DIR_PREFIX, JOB_DIR_PREFIX)):
         return (f"--run-dir {run_dir!r} is not a zerospeed launch folder (its name must start with "
-                f"{RUN_DIR_PREFIX!r}); refusing to take charge of removing it")
+                f"{RUN_DIR_PREFIX!r} or {JOB_DIR_PREFIX!r}); refusing to take charge of removing it")
     return None
 
 
@@ -293,23 +303,122 @@ class RunDirLock:
 
 @dataclass(frozen=True)
 class GuardOptions:
-    """The guard's command line: whom to watch, what to clean, how long SIGTERM may take, what to run."""
+    """The guard's command line: whom to watch, what to clean, how long SIGTERM may take, what to run,
+    and (``bind_cores``) the cores of this host whose share the rank is pinned to: a core list in
+    DeepSpeed's ``--bind_core_list`` syntax, or ``"all"`` for DeepSpeed's default (every physical core)."""
 
     launcher: ProcessIdentity
     command: tuple[str, ...]
     run_dir: str | None = None
     grace_s: float = 10.0
+    bind_cores: str | None = None
 
 
 def guard_argv(launcher: ProcessIdentity, command: Sequence[str], *, run_dir: str | None,
-               grace_s: float) -> list[str]:
+               grace_s: float, bind_cores: str | None = None) -> list[str]:
     """Interpreter arguments that run ``command`` under this guard (``python <these>``)."""
     argv = ["-I", "-S", os.path.abspath(__file__), "--launcher-pid", str(launcher.pid)]
     if launcher.start is not None:
         argv += ["--launcher-start", launcher.start]
     if run_dir is not None:
         argv += ["--run-dir", run_dir]
+    if bind_cores is not None:
+        argv += ["--bind-cores", bind_cores]
     return [*argv, "--grace", f"{grace_s:g}", "--", *command]
+
+
+def parse_core_list(text: str) -> list[int]:
+    """DeepSpeed's ``--bind_core_list`` syntax: ``"0,2-4,6"`` -> ``[0, 2, 3, 4, 6]``; items ascending,
+    not overlapping, no spaces (its ``parse_range_list`` rules, with errors that name the item)."""
+    cores: list[int] = []
+    last = -1
+    for item in text.split(","):
+        bounds = item.split("-")
+        try:
+            if len(bounds) == 1:
+                first = final = int(bounds[0])
+            elif len(bounds) == 2:
+                first, final = int(bounds[0]), int(bounds[1])
+            else:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"bind_core_list {text!r}: {item!r} is neither a core number nor a range like "
+                             "'0-3'") from None
+        if first < 0 or first > final:
+            raise ValueError(f"bind_core_list {text!r}: range {item!r} must be non-negative and end at or after "
+                             "its start")
+        if first <= last:
+            raise ValueError(f"bind_core_list {text!r}: {item!r} overlaps or precedes the item before it; list "
+                             "the cores in ascending order, each once")
+        cores.extend(range(first, final + 1))
+        last = final
+    return cores
+
+
+def default_core_list() -> list[int]:
+    """The cores a rank binding shares out when no list is given: as DeepSpeed, cores ``0..P-1`` where P
+    is this host's number of physical cores (sibling hyper-threads counted once, from sysfs; all CPUs
+    where sysfs does not say)."""
+    cores: set[tuple[str, str]] = set()
+    base = "/sys/devices/system/cpu"
+    try:
+        names = [n for n in os.listdir(base) if n.startswith("cpu") and n[3:].isdigit()]
+        for name in names:
+            topology = os.path.join(base, name, "topology")
+            with open(os.path.join(topology, "physical_package_id")) as package, \
+                    open(os.path.join(topology, "core_id")) as core:
+                cores.add((package.read().strip(), core.read().strip()))
+    except OSError:
+        cores = set()
+    count = len(cores) or os.cpu_count() or 1
+    return list(range(count))
+
+
+def cores_of_rank(cores: Sequence[int], local_rank: int, local_world_size: int) -> list[int]:
+    """Local rank ``local_rank``'s share of ``cores``: DeepSpeed's numactl binding, ``len(cores) //
+    local_world_size`` consecutive cores each, in list order (a remainder stays unused)."""
+    if not 0 <= local_rank < local_world_size:
+        raise ValueError(f"local rank {local_rank} is outside 0..{local_world_size - 1}")
+    per_rank = len(cores) // local_world_size
+    if per_rank < 1:
+        raise ValueError(f"--bind_cores_to_rank: {len(cores)} core(s) cannot be shared by {local_world_size} "
+                         "ranks on this host (each needs at least one); give --bind_core_list more cores "
+                         "or start fewer ranks per host")
+    return list(cores[per_rank * local_rank:per_rank * (local_rank + 1)])
+
+
+def bind_to_cores(spec: str, environ: MutableMapping[str, str]) -> list[int]:
+    """Pin this process (about to ``exec`` the rank) to its share of ``spec`` (``"all"`` or a core list)
+    and set ``OMP_NUM_THREADS`` to the share's size, as DeepSpeed's launcher does for a bound rank; the
+    share follows from ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``, which torch's agent set. Returns it."""
+    cores = default_core_list() if spec == "all" else parse_core_list(spec)
+    share = cores_of_rank(cores, int(environ["LOCAL_RANK"]), int(environ["LOCAL_WORLD_SIZE"]))
+    os.sched_setaffinity(0, share)
+    environ["OMP_NUM_THREADS"] = str(len(share))
+    return share
+
+
+def redirect_output(environ: MutableMapping[str, str]) -> None:
+    """Make the node agent's FIFOs (:data:`STDOUT_FIFO_VARIABLE`, :data:`STDERR_FIFO_VARIABLE`) this
+    process's stdout and stderr, and drop the variables (the rank never sees them).
+
+    Opened without blocking: a FIFO with no reader (the agent is gone) fails at once with ENXIO, and the
+    stream then stays as inherited (the rank still runs; its lines are just not prefixed). The
+    descriptor is made blocking again, so a slow reader slows the rank down instead of losing lines.
+    """
+    for variable, target in ((STDOUT_FIFO_VARIABLE, 1), (STDERR_FIFO_VARIABLE, 2)):
+        path = environ.pop(variable, None)
+        if not path:
+            continue
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            _say(f"zerospeed: cannot attach {_rank_label(environ)}'s output to {path} "
+                 f"({exc.strerror or exc}); its lines go out unprefixed")
+            continue
+        os.set_blocking(fd, True)
+        os.dup2(fd, target)  # dup2's copy is inheritable: it survives the exec
+        os.close(fd)
 
 
 def parse_guard_args(argv: Sequence[str]) -> GuardOptions:
@@ -327,11 +436,12 @@ def parse_guard_args(argv: Sequence[str]) -> GuardOptions:
     parser.add_argument("--launcher-start", default=None)
     parser.add_argument("--run-dir", default=None)
     parser.add_argument("--grace", type=float, default=10.0)
+    parser.add_argument("--bind-cores", default=None)
     ns = parser.parse_args(args[:split])
     if ns.run_dir is not None and (problem := run_dir_problem(ns.run_dir)) is not None:
         parser.error(problem)
     return GuardOptions(launcher=ProcessIdentity(ns.launcher_pid, ns.launcher_start), command=command,
-                        run_dir=ns.run_dir, grace_s=ns.grace)
+                        run_dir=ns.run_dir, grace_s=ns.grace, bind_cores=ns.bind_cores)
 
 
 def _say(message: str) -> None:
@@ -470,6 +580,14 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     launcher.close()
     if lock is not None:
         lock.close()  # the watcher's descriptor keeps the shared lock (flock belongs to the open file)
+    # After the watcher's fork: its messages (the launcher is gone) must not go to a FIFO nobody reads.
+    redirect_output(os.environ)
+    if options.bind_cores is not None:
+        try:
+            bind_to_cores(options.bind_cores, os.environ)
+        except (ValueError, KeyError, OSError) as exc:
+            _say(f"zerospeed: cannot bind {label} to its cores: {exc}")
+            return 1
     restore_signals()
     try:
         os.execvp(options.command[0], list(options.command))
