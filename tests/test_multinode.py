@@ -1,0 +1,151 @@
+"""Issue 33's acceptance: the example GPT across 3 namespace hosts x 2 ranks through every runner.
+
+Every runner (pdsh, ssh, Open MPI, MPICH, Slurm, ``--no_ssh``) launches ``multinode_gpt.py`` at ZeRO-2
+and then ZeRO-3 (one launch, 20 steps each) from inside host 0, as a user on a login node would; its
+losses must equal the same job's 6 ranks on one host, every rank proves where it ran (hostname, IP,
+network namespace) and a variable from ``.deepspeed_env`` reaches every rank. Then the failure and
+elastic semantics on the same cluster. One cluster (and one single-host reference) serves the module:
+starting processes is what costs here, not the steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from zerospeed.testing.cluster import Cluster, cluster_or_skip
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "tests" / "launcher_scripts" / "multinode_gpt.py"
+ZEROSPEED = str(Path(sys.executable).with_name("zerospeed"))
+HOSTS, SLOTS, STEPS = 3, 2, 20
+LAUNCH_TIMEOUT_S = 240
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    yield from cluster_or_skip(HOSTS, tools=("pdsh", "mpirun.openmpi", "mpirun.mpich"))
+
+
+def _read_losses(out: Path) -> dict[tuple[int, int], tuple[int, float]]:
+    """(stage, step) -> (world, loss); a step written twice (redone after a restart) keeps its last value."""
+    losses: dict[tuple[int, int], tuple[int, float]] = {}
+    for line in (out / "losses.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        losses[(record["stage"], record["step"])] = (record["world"], record["loss"])
+    return losses
+
+
+def _where(out: Path) -> list[dict[str, object]]:
+    return [json.loads(p.read_text()) | {"file": p.name} for p in sorted(out.glob("where-rank*.json"))]
+
+
+def _job_dir(cluster: Cluster, name: str) -> Path:
+    """A folder on the cluster's shared file system holding the job's hostfile, .deepspeed_env and output."""
+    work = cluster.folder / "jobs" / name
+    work.mkdir(parents=True)
+    cluster.hostfile(SLOTS, path=work / "hostfile")
+    (work / ".deepspeed_env").write_text(f"ZS_MARKER=carried-{name}\n")
+    return work
+
+
+def _launch(cluster: Cluster, host: int, argv: list[str], *, work: Path, env: dict[str, str] | None = None,
+            timeout: float = LAUNCH_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+    proc = cluster.run_on(host, argv, cwd=str(work), env=env, stdin=subprocess.DEVNULL,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(argv)} ran past {timeout} s:\n{out[-6000:]}")
+    return subprocess.CompletedProcess(argv, proc.returncode, out, "")
+
+
+@pytest.fixture(scope="module")
+def reference(cluster: Cluster) -> dict[tuple[int, int], tuple[int, float]]:
+    """The same job as 6 ranks on one host (host 0)."""
+    work = _job_dir(cluster, "reference")
+    done = _launch(cluster, 0, [ZEROSPEED, "--num_procs", str(HOSTS * SLOTS), str(SCRIPT), "--out",
+                                str(work / "out"), "--steps", str(STEPS)], work=work)
+    assert done.returncode == 0, done.stdout[-6000:]
+    losses = _read_losses(work / "out")
+    assert sorted(losses) == [(stage, step) for stage in (2, 3) for step in range(1, STEPS + 1)]
+    return losses
+
+
+def _runner_env(cluster: Cluster, runner: str) -> dict[str, str]:
+    if runner == "openmpi":
+        return cluster.openmpi_env()
+    if runner == "mpich":
+        return cluster.mpich_env()
+    return {}
+
+
+def _assert_spans_hosts(cluster: Cluster, out: Path, name: str) -> None:
+    where = _where(out)
+    assert len(where) == HOSTS * SLOTS, where
+    by_host: dict[object, list[dict[str, object]]] = {}
+    for record in where:
+        by_host.setdefault(record["hostname"], []).append(record)
+    assert sorted(by_host) == sorted(cluster.hostnames), where
+    for i, hostname in enumerate(cluster.hostnames):
+        records = by_host[hostname]
+        assert len(records) == SLOTS
+        assert {r["ip"] for r in records} == {cluster.host_ip(i)}
+        assert {r["netns"] for r in records} == {cluster.netns_inode(i)}
+    assert {r["marker"] for r in where} == {f"carried-{name}"}
+
+
+@pytest.mark.parametrize("runner", ["pdsh", "ssh", "openmpi", "mpich"])
+def test_three_hosts_train_as_six_ranks_on_one(cluster: Cluster, reference: dict[tuple[int, int], tuple[int, float]],
+                                               runner: str) -> None:
+    work = _job_dir(cluster, runner)
+    done = _launch(cluster, 0, [ZEROSPEED, "--hostfile", str(work / "hostfile"), "--launcher", runner,
+                                str(SCRIPT), "--out", str(work / "out"), "--steps", str(STEPS)],
+                   work=work, env=_runner_env(cluster, runner))
+    assert done.returncode == 0, done.stdout[-6000:]
+    assert _read_losses(work / "out") == reference
+    _assert_spans_hosts(cluster, work / "out", runner)
+    for i, hostname in enumerate(cluster.hostnames):  # each rank's output line names its host and rank
+        assert f"[{hostname} rank {i * SLOTS}]" in done.stdout, done.stdout[-3000:]
+
+
+def test_slurm_srun_starts_one_agent_per_host(cluster: Cluster,
+                                              reference: dict[tuple[int, int], tuple[int, float]]) -> None:
+    from zerospeed.testing.slurm_cluster import SlurmCluster, slurm_unavailable_reason
+
+    reason = slurm_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    work = _job_dir(cluster, "slurm")
+    with SlurmCluster(cluster) as slurm:
+        done = _launch(cluster, 0, slurm.client_argv([
+            ZEROSPEED, "--hostfile", str(work / "hostfile"), "--launcher", "slurm", str(SCRIPT),
+            "--out", str(work / "out"), "--steps", str(STEPS)]), work=work, env=slurm.slurm_env())
+    assert done.returncode == 0, done.stdout[-6000:]
+    assert _read_losses(work / "out") == reference
+    _assert_spans_hosts(cluster, work / "out", "slurm")
+
+
+def test_no_ssh_one_launcher_per_host(cluster: Cluster, reference: dict[tuple[int, int], tuple[int, float]]) -> None:
+    work = _job_dir(cluster, "no_ssh")
+    procs = [cluster.run_on(i, [ZEROSPEED, "--hostfile", str(work / "hostfile"), "--no_ssh", "--node_rank", str(i),
+                                "--master_addr", cluster.hostnames[0], str(SCRIPT), "--out", str(work / "out"),
+                                "--steps", str(STEPS)], cwd=str(work), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(HOSTS)]
+    outputs = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+        outputs.append(out)
+    assert [p.returncode for p in procs] == [0] * HOSTS, "\n".join(o[-3000:] for o in outputs)
+    assert _read_losses(work / "out") == reference
+    _assert_spans_hosts(cluster, work / "out", "no_ssh")
