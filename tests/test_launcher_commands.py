@@ -5,6 +5,7 @@ script against real processes."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -18,8 +19,10 @@ import pytest
 
 from zerospeed.launcher.commands import (
     RemoteLaunch,
+    check_elastic_launcher,
     launches,
     preflight_launches,
+    probe_command,
     remote_shell,
     runner_executable,
     stop_commands,
@@ -32,12 +35,13 @@ from zerospeed.launcher.environment import (
     read_env_files,
 )
 from zerospeed.launcher.errors import LauncherError
-from zerospeed.launcher.job import JobSpec
+from zerospeed.launcher.job import ElasticSpec, JobSpec
 from zerospeed.launcher.plan import Program
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = JobSpec(job_id="abc123def456", world=(("h0", (0, 1)), ("h1", (0,)), ("h2", (1, 2))),
                master_addr="h0", master_port=29500, program=Program(script="train.py", args=("--x", "a b")))
+ELASTIC = dataclasses.replace(SPEC, elastic=ElasticSpec(min_nodes=1, max_nodes=3))
 TOKEN = SPEC.encode()
 EXPORTS = {"NCCL_DEBUG": "INFO", "PYTHONPATH": "/work dir:/lib", "ZEROSPEED_X": "a,b%c"}
 SSH = ("ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-o", "ServerAliveInterval=5",
@@ -151,6 +155,91 @@ def test_preflight_runs_through_the_same_runner_naming_each_host() -> None:
     assert preflight("mpich")[0].argv[-1] == f"--job={TOKEN}"
 
 
+def test_preflight_asks_for_the_master_port_check_after_the_host_on_every_runner() -> None:
+    def preflight(runner: str, check_master: bool) -> tuple[RemoteLaunch, ...]:
+        return preflight_launches(SPEC, runner, launcher_args=(), ssh_port=None, exports={"A": "1"}, cwd="/w",
+                                  python="py", check_master=check_master)
+
+    probe = f"py -u -m zerospeed.launcher.preflight --job={TOKEN}"
+    assert [launch.argv[-1] for launch in preflight("ssh", True)] == [
+        f"export A=1; cd /w && exec {probe} --node_host={host} --check_master" for host in ("h0", "h1", "h2")]
+    assert preflight("pdsh", True)[0].argv[-1] == f"export A=1; cd /w && exec {probe} --node_host=%h --check_master"
+    (openmpi,) = preflight("openmpi", True)
+    assert openmpi.argv == ("mpirun", *(word for rank, host in enumerate(("h0", "h1", "h2")) for word in (
+        *((":",) if rank else ()), "-n", "1", "--host", host, "-wdir", "/w", "-x", "A=1", "py", "-u", "-m",
+        "zerospeed.launcher.preflight", f"--job={TOKEN}", f"--node_host={host}", "--check_master")))
+    assert preflight("mpich", True)[0].argv[-2:] == (f"--job={TOKEN}", "--check_master")
+    assert preflight("slurm", True)[0].argv[-3:] == (
+        "sh", "-c", f'exec {probe} --node_host="$SLURMD_NODENAME" --check_master')
+    for runner in ("ssh", "pdsh", "openmpi", "mpich", "slurm"):  # not asked for: not there
+        assert not any("--check_master" in word for launch in preflight(runner, False) for word in launch.argv)
+    assert preflight_launches(SPEC, "no_ssh", launcher_args=(), ssh_port=None, exports={}, cwd="/w", python="py",
+                              check_master=True) == ()
+
+
+def test_an_elastic_job_starts_one_pdsh_per_host() -> None:
+    """The runner must see a lost host's agent end alone, and start it again alone."""
+    got = launches(ELASTIC, "pdsh", launcher_args=("-u", "30"), ssh_port=2222, exports={}, cwd="/w", python="py")
+    command = f"cd /w && exec py -u -m zerospeed.launcher.node --job={ELASTIC.encode()} --watch_stdin --node_host=%h"
+    (fixed,) = launches(SPEC, "pdsh", launcher_args=(), ssh_port=2222, exports={}, cwd="/w", python="py")
+    assert got == tuple(RemoteLaunch(argv=("pdsh", "-S", "-f", "1024", "-R", "ssh", "-w", host, "-u", "30", command),
+                                     hosts=(host,), env=fixed.env) for host in ("h0", "h1", "h2"))
+    assert [launch.hosts for launch in launches(ELASTIC, "ssh", launcher_args=(), ssh_port=None, exports={},
+                                                cwd="/w", python="py")] == [("h0",), ("h1",), ("h2",)]
+    assert launches(ELASTIC, "no_ssh", launcher_args=(), ssh_port=None, exports={}, cwd="/w", python="py") == ()
+
+
+@pytest.mark.parametrize(("runner", "which"), [("openmpi", "Open MPI's mpirun"),
+                                               ("mpich", "MPICH's mpirun (hydra)"), ("slurm", "srun")])
+def test_elastic_training_is_refused_where_one_process_starts_every_host(runner: str, which: str) -> None:
+    message = (f"--elastic_training cannot run under --launcher {runner}: {which} starts every host's agent as one "
+               "job that ends as a whole when one host is lost; use --launcher pdsh or ssh, or --no_ssh on each host")
+    with pytest.raises(LauncherError) as info:
+        launches(ELASTIC, runner, launcher_args=(), ssh_port=None, exports={}, cwd="/w", python="py")
+    assert str(info.value) == message
+    with pytest.raises(LauncherError) as info:
+        check_elastic_launcher(runner, elastic=True)
+    assert str(info.value) == message
+    check_elastic_launcher(runner, elastic=False)
+    for fine in ("pdsh", "ssh", "no_ssh"):
+        check_elastic_launcher(fine, elastic=True)
+
+
+def test_the_elastic_probe_reaches_the_host_as_its_agent_does_and_gives_up_in_3_s() -> None:
+    ssh = probe_command("ssh", "h1", launcher_args=("-l", "me"), ssh_port=2222)
+    assert ssh == RemoteLaunch(argv=("ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=3", "-p", "2222", "-l", "me",
+                                     "h1", "true"), hosts=("h1",))
+    assert probe_command("ssh", "h1", launcher_args=(), ssh_port=None).argv == (
+        "ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=3", "h1", "true")
+    pdsh = probe_command("pdsh", "h2", launcher_args=("-l", "me"), ssh_port=2222, executable="/usr/bin/pdsh",
+                         local_environ={"PDSH_SSH_ARGS_APPEND": "-i /k"})
+    assert pdsh.argv == ("/usr/bin/pdsh", "-S", "-t", "3", "-R", "ssh", "-w", "h2", "-l", "me", "true")
+    assert (pdsh.hosts, dict(pdsh.env)) == (("h2",), {
+        "PDSH_RCMD_TYPE": "ssh", "PDSH_SSH_ARGS_APPEND": "-i /k -o BatchMode=yes -o ConnectTimeout=3 -p 2222"})
+    with pytest.raises(LauncherError, match=r"^no reachability probe for --launcher 'slurm': elastic jobs run under "
+                                            r"pdsh or ssh only$"):
+        probe_command("slurm", "h1", launcher_args=(), ssh_port=None)
+
+
+def test_only_pdsh_and_ssh_agents_watch_stdin_and_their_ssh_notices_a_dead_link() -> None:
+    """mpirun and srun forward stdin to their first process only: an agent there that watched its stdin
+    would see its end at once and stop. ssh (pdsh's too) never prompts and gives up on a silent link
+    within 3 x 5 s."""
+    for runner in ("openmpi", "mpich", "slurm"):
+        (launch,) = _launches(runner)
+        assert not any("--watch_stdin" in word for word in launch.argv), runner
+    assert all(launch.argv[-1].endswith(f"--watch_stdin --node_rank={rank}")
+               for rank, launch in enumerate(_launches("ssh")))
+    (pdsh,) = _launches("pdsh")
+    assert pdsh.argv[-1].endswith("--watch_stdin --node_host=%h")
+    keep_alive = ("-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-o", "ServerAliveInterval=5",
+                  "-o", "ServerAliveCountMax=3")
+    for launch in (*_launches("ssh"), *stop_commands(SPEC, "ssh", launcher_args=(), ssh_port=None)):
+        assert launch.argv[1:9] == keep_alive
+    for launch in (pdsh, *stop_commands(SPEC, "pdsh", launcher_args=(), ssh_port=None)):
+        assert launch.env["PDSH_SSH_ARGS_APPEND"] == " ".join(keep_alive)
+
+
 def test_stop_commands_kill_this_jobs_agents_by_pid_through_the_runner() -> None:
     def stop(runner: str, **extra: object) -> list[tuple[str, ...]]:
         return [launch.argv for launch in stop_commands(SPEC, runner, launcher_args=(), ssh_port=None,
@@ -211,6 +300,25 @@ def test_pdsh_substitutes_the_host_and_keeps_our_percent_signs(tmp_path: Path) -
     for host in ("h0", "h1", "h2"):
         assert (tmp_path / host).read_text() == (
             f"{EXPORT_SHELL} cd '/work dir' && exec {' '.join(NODE)} --watch_stdin --node_host={host}")
+
+
+@pytest.mark.skipif(shutil.which("pdsh") is None, reason="pdsh is not installed")
+def test_the_pdsh_probe_exits_with_ssh_code_and_a_3_s_connect_timeout(tmp_path: Path) -> None:
+    """A stand-in ``ssh`` records its arguments and exits with $CODE: pdsh -S passes 255 (host down) on."""
+    fake = tmp_path / "ssh"
+    fake.write_text(f"#!{sys.executable}\nimport os, sys\n"
+                    "open(os.path.join(os.environ['OUT'], 'args'), 'w').write(' '.join(sys.argv[1:]))\n"
+                    "sys.exit(int(os.environ['CODE']))\n")
+    fake.chmod(0o755)
+    probe = probe_command("pdsh", "h1", launcher_args=(), ssh_port=2222)
+    for code in (0, 255):
+        env = {**os.environ, **probe.env, "PATH": f"{tmp_path}:{os.environ['PATH']}", "OUT": str(tmp_path),
+               "CODE": str(code)}
+        assert subprocess.run(probe.argv, env=env, timeout=30, capture_output=True).returncode == code
+        words = (tmp_path / "args").read_text().split()
+        # pdsh's own -oConnectTimeout (from -t) comes first, and ssh keeps the first value it reads
+        assert words[0] == "-oConnectTimeout=3" and words[-2:] == ["h1", "true"], words
+        assert "BatchMode=yes" in words and words[words.index("-p") + 1] == "2222"
 
 
 def _sleeper(tmp_path: Path, marker: str) -> subprocess.Popen[bytes]:

@@ -4,6 +4,8 @@ docs), the runner options, the JobSpec built from a plan, and what ``launch_main
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import sys
 import types
@@ -24,7 +26,7 @@ from zerospeed.launcher.cli import (
 from zerospeed.launcher.commands import RemoteLaunch
 from zerospeed.launcher.environment import FORWARDED_FAMILIES
 from zerospeed.launcher.errors import LauncherError
-from zerospeed.launcher.job import ElasticSpec, JobSpec
+from zerospeed.launcher.job import DEFAULT_RDZV_CONFIGS, ElasticSpec, JobSpec
 from zerospeed.launcher.plan import JobOptions, LaunchMode, LaunchPlan, Program, job_spec, stable_job_id
 
 # Hostfile order is not name order, and every host has its own slot count.
@@ -125,6 +127,15 @@ def test_selection_gives_deepspeeds_world(job: tuple[str, str], options: list[st
      "hosts"),
     (["--elastic_training", "--master_addr=a", "--max_elastic_nodes=3"], "--max_elastic_nodes 3 is below the 4 "
      "selected host(s), which would leave 1 of them idle; raise it or select fewer hosts (--num_nodes 3)"),
+    (["--elastic_training", "--master_addr=a", "--launcher=OpenMPI"], "--elastic_training cannot run under "
+     "--launcher openmpi: Open MPI's mpirun starts every host's agent as one job that ends as a whole when one host "
+     "is lost; use --launcher pdsh or ssh, or --no_ssh on each host"),
+    (["--elastic_training", "--master_addr=a", "--launcher=mpich"], "--elastic_training cannot run under "
+     "--launcher mpich: MPICH's mpirun (hydra) starts every host's agent as one job that ends as a whole when one "
+     "host is lost; use --launcher pdsh or ssh, or --no_ssh on each host"),
+    (["--elastic_training", "--master_addr=a", "--launcher=slurm", "--num_nodes=2"], "--elastic_training cannot "
+     "run under --launcher slurm: srun starts every host's agent as one job that ends as a whole when one host is "
+     "lost; use --launcher pdsh or ssh, or --no_ssh on each host"),
     (["--bind_core_list=0-3"], "--bind_core_list '0-3' only applies with --bind_cores_to_rank; add it"),
     (["--bind_cores_to_rank", "--bind_core_list=0-3,x"], "--bind_core_list '0-3,x': 'x' is not a core id or an "
      "'a-b' range; write e.g. '0-3,8'"),
@@ -141,6 +152,15 @@ def test_selections_and_options_deepspeed_rejects_or_that_cannot_run(job: tuple[
     with pytest.raises(LauncherError) as info:
         _plan(job, *options)
     assert str(info.value) == message.format(hosts=job[0])
+
+
+def test_elastic_with_an_mpi_or_slurm_launcher_is_fine_where_the_launcher_is_not_used(job: tuple[str, str]) -> None:
+    """--no_ssh (each host started by hand) and a one-host job never start hosts through --launcher."""
+    by_hand = _plan(job, "--elastic_training", "--master_addr=a", "--launcher=slurm", "--no_ssh", "--node_rank=1")
+    assert (by_hand.mode, by_hand.elastic_nodes) == (LaunchMode.NODE, (1, 4))
+    one = _plan(job, "--elastic_training", "--master_addr=a", "--launcher=openmpi", "--num_nodes=1")
+    assert (one.mode, one.elastic_nodes) == (LaunchMode.NODE, (1, 1))
+    assert _plan(job, "--elastic_training", "--master_addr=a", "--launcher=ssh").mode is LaunchMode.RUNNER
 
 
 def test_default_hostfile_is_used_when_it_exists(job: tuple[str, str], tmp_path: Path) -> None:
@@ -195,6 +215,28 @@ def test_job_spec_from_a_plan(job: tuple[str, str]) -> None:
     with pytest.raises(LauncherError, match="^the job needs a master port; pass --master_port$"):
         job_spec(local, job_id="x")
     assert job_spec(local, job_id="x", master_port=1234).master_port == 1234
+
+
+def test_elastic_rendezvous_settings_travel_in_the_job_and_old_tokens_get_the_defaults() -> None:
+    elastic = ElasticSpec(min_nodes=1, max_nodes=3)
+    assert elastic.rdzv_configs == dict(DEFAULT_RDZV_CONFIGS) == {
+        "join_timeout": "600", "last_call_timeout": "3", "keep_alive_interval": "2", "keep_alive_max_attempt": "3"}
+    spec = JobSpec(job_id="j", world=((W1, (0,)), (W3, (0,))), master_addr=W1, master_port=1,
+                   program=Program(script="t.py"),
+                   elastic=ElasticSpec(min_nodes=1, max_nodes=2, rdzv_configs={"last_call_timeout": 7, "x": "y"}))
+    decoded = JobSpec.decode(spec.encode())
+    assert decoded == spec and decoded.elastic is not None
+    assert decoded.elastic.rdzv_configs == {"last_call_timeout": "7", "x": "y"}  # strings, as torchrun passes them
+    assert hash(elastic) == hash(ElasticSpec(min_nodes=1, max_nodes=3))
+    # a token from before rdzv_configs existed
+    raw = json.loads(base64.urlsafe_b64decode(spec.encode()))
+    del raw["elastic"]["rdzv_configs"]
+    old = base64.urlsafe_b64encode(json.dumps(raw).encode()).decode()
+    assert JobSpec.decode(old).elastic == ElasticSpec(min_nodes=1, max_nodes=2)
+    with pytest.raises(LauncherError) as info:
+        ElasticSpec(min_nodes=1, max_nodes=2, rdzv_configs={"keep_alive_interval": "0"})
+    assert str(info.value) == ("rendezvous setting keep_alive_interval='0' must be a positive integer (seconds, or a "
+                               "count); e.g. keep_alive_interval=2")
 
 
 def test_no_ssh_hosts_agree_on_the_job_id(job: tuple[str, str]) -> None:
@@ -253,7 +295,8 @@ def test_launch_main_hands_a_multi_node_job_to_the_runner(job: tuple[str, str], 
     assert spec.world == ((W1, (0, 1, 2, 3)), (W3, (0, 1)))
     assert (spec.master_addr, spec.master_port, spec.program.args) == (W1, 29500, ("--x",))
     assert len(spec.job_id) == 12 and int(spec.job_id, 16) >= 0
-    assert kwargs["runner"] == "ssh" and set(kwargs) == {"runner", "launches", "preflight", "stop", "no_ssh_check"}
+    assert kwargs["runner"] == "ssh" and set(kwargs) == {"runner", "launches", "preflight", "stop", "probe",
+                                                         "no_ssh_check"}
     assert kwargs["no_ssh_check"] is False
     agents: tuple[RemoteLaunch, ...] = kwargs["launches"]
     assert [launch.hosts for launch in agents] == [(W1,), (W3,)]
@@ -261,7 +304,31 @@ def test_launch_main_hands_a_multi_node_job_to_the_runner(job: tuple[str, str], 
                                        f"cd {tmp_path} && exec {sys.executable} -u -m zerospeed.launcher.node "
                                        f"--job={spec.encode()} --watch_stdin --node_rank=0")
     assert "-p" in agents[0].argv and [launch.hosts for launch in kwargs["stop"]] == [(W1,), (W3,)]
-    assert kwargs["preflight"][1].argv[-1].endswith(f"--node_host={W3}")
+    # pre-flight is a function of check_master: run_job asks for the port check only while it listens
+    assert kwargs["preflight"](False)[1].argv[-1].endswith(f"--node_host={W3}")
+    assert [launch.argv[-1].rsplit(" ", 2)[1:] for launch in kwargs["preflight"](True)] == [
+        [f"--node_host={W1}", "--check_master"], [f"--node_host={W3}", "--check_master"]]
+    assert kwargs["probe"](W3) == RemoteLaunch(
+        argv=("ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=3", "-p", "2200", W3, "true"), hosts=(W3,))
+
+
+def test_launch_main_hands_an_elastic_pdsh_job_over_as_one_pdsh_per_host(job: tuple[str, str],
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    hosts, script = job
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setitem(sys.modules, "zerospeed.launcher.multinode",
+                        types.SimpleNamespace(run_job=lambda spec, **kwargs: calls.append(kwargs) or 0))
+    monkeypatch.setattr("shutil.which", lambda name: f"/usr/bin/{name}")
+    assert main(["-H", hosts, "--num_nodes=3", "--elastic_training", f"--master_addr={W1}", "--launcher=pdsh",
+                 script]) == 0
+    ((kwargs),) = calls
+    assert kwargs["runner"] == "pdsh"
+    assert [(launch.argv[:8], launch.hosts) for launch in kwargs["launches"]] == [
+        (("pdsh", "-S", "-f", "1024", "-R", "ssh", "-w", host), (host,)) for host in (W1, W3, W0)]
+    assert kwargs["probe"](W0).argv == ("pdsh", "-S", "-t", "3", "-R", "ssh", "-w", W0, "true")
+    for mpi in ("openmpi", "slurm"):  # refused before anything is built or started
+        assert main(["-H", hosts, "--elastic_training", f"--master_addr={W1}", f"--launcher={mpi}", script]) == 2
+    assert len(calls) == 1
 
 
 def test_launch_main_runs_a_no_ssh_host_as_its_node_agent(job: tuple[str, str], tmp_path: Path,

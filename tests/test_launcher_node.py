@@ -409,6 +409,41 @@ def test_bad_node_arguments_are_one_line_errors(tmp_path: Path) -> None:
     assert job_dir_of("j-1", str(tmp_path)) == str(tmp_path / f"zerospeed-job-j-1-{os.uname().nodename}-n0")
 
 
+def test_elastic_agents_use_the_jobs_rendezvous_settings_with_rdzv_conf_on_top(tmp_path: Path) -> None:
+    """torch ignores keys it does not know, so the settings are checked where torch reads them: the c10d
+    handler the agent builds (torch's defaults: last call 30 s, keep-alive 5 s x 3)."""
+    from datetime import timedelta
+
+    import torch.distributed.elastic.rendezvous.registry as rdzv_registry
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from zerospeed.launcher.node import rendezvous_configs
+    from zerospeed.launcher.runners import agent_config
+
+    spec = _job("rdzv", elastic=ElasticSpec(min_nodes=1, max_nodes=2))
+    assert rendezvous_configs(spec, None) == {"join_timeout": "600", "last_call_timeout": "3",
+                                              "keep_alive_interval": "2", "keep_alive_max_attempt": "3"}
+    assert rendezvous_configs(spec, "last_call_timeout=1,close_timeout=9") == {
+        "join_timeout": "600", "last_call_timeout": "1", "keep_alive_interval": "2", "keep_alive_max_attempt": "3",
+        "close_timeout": "9"}
+    assert rendezvous_configs(_job("fixed"), None) == {}  # the static rendezvous: nothing of its own
+    assert rendezvous_configs(_job("fixed"), "read_timeout=5") == {"read_timeout": "5"}
+    config = agent_config(nproc_per_node=1, run_id="rdzv", master_addr="127.0.0.1", master_port=free_port(),
+                          node_rank=0, num_nodes=2, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)),
+                          local_addr="127.0.0.1", elastic=(1, 2, 3), rdzv_configs=rendezvous_configs(spec, None))
+    handler = rdzv_registry.get_rendezvous_handler(RendezvousParameters(
+        backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id, min_nodes=1, max_nodes=2,
+        local_addr=config.local_addr, **config.rdzv_configs))
+    try:
+        settings = handler.settings  # type: ignore[attr-defined]
+        assert (settings.timeout.join, settings.timeout.last_call, settings.keep_alive_interval,
+                settings.keep_alive_max_attempt) == (timedelta(seconds=600), timedelta(seconds=3),
+                                                     timedelta(seconds=2), 3)
+    finally:
+        handler.shutdown()
+
+
 def test_the_engine_logs_the_downtime_at_the_first_step_after_a_restart(monkeypatch: pytest.MonkeyPatch,
                                                                          capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("ZEROSPEED_ELASTIC_LOST_AT", f"{time.time() - 12.34:.3f}")

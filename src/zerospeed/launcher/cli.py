@@ -27,9 +27,13 @@ from types import MappingProxyType
 from typing import NoReturn
 
 from zerospeed.launcher.commands import (
+    ELASTIC_LAUNCHERS,
     LAUNCHERS,
+    RemoteLaunch,
+    check_elastic_launcher,
     launches,
     preflight_launches,
+    probe_command,
     runner_executable,
     stop_commands,
 )
@@ -159,7 +163,10 @@ def job_exports(environ: Mapping[str, str], cwd: str) -> dict[str, str]:
 def _run_multinode(plan: LaunchPlan, runner_options: RunnerOptions, *, environ: Mapping[str, str],
                    cwd: str) -> int:
     """Build the job (a fresh id), what the runner executes on every host (:mod:`commands`: the agents,
-    the pre-flight probes, the stop commands) and hand them to :func:`multinode.run_job`."""
+    the pre-flight probes, the stop commands, the elastic reachability probe) and hand them to
+    :func:`multinode.run_job`. Pre-flight goes as a function of ``check_master``: run_job knows only at
+    run time whether it listens on the master port (the master is this machine), and only then may the
+    hosts be asked to connect to it."""
     runner, note = runner_options.runner(shutil.which)
     if note:
         print(note, file=sys.stderr)
@@ -170,14 +177,23 @@ def _run_multinode(plan: LaunchPlan, runner_options: RunnerOptions, *, environ: 
     agents = launches(spec, runner, launcher_args=args, ssh_port=port, exports=exports, cwd=cwd,
                       python=sys.executable, executable=executable, local_environ=environ,
                       save_pid=os.getpid() if spec.save_pid else None)
-    preflight = preflight_launches(spec, runner, launcher_args=args, ssh_port=port, exports=exports, cwd=cwd,
-                                   python=sys.executable, executable=executable, local_environ=environ)
+
+    def preflight(check_master: bool) -> tuple[RemoteLaunch, ...]:
+        return preflight_launches(spec, runner, launcher_args=args, ssh_port=port, exports=exports, cwd=cwd,
+                                  python=sys.executable, executable=executable, local_environ=environ,
+                                  check_master=check_master)
+
+    def probe(host: str) -> RemoteLaunch:
+        return probe_command(runner, host, launcher_args=args, ssh_port=port, executable=executable,
+                             local_environ=environ)
+
     stops = stop_commands(spec, runner, launcher_args=args, ssh_port=port, executable=executable,
                           local_environ=environ)
 
     from zerospeed.launcher.multinode import run_job
 
     return run_job(spec, runner=runner, launches=agents, preflight=preflight, stop=stops,
+                   probe=probe if runner in ELASTIC_LAUNCHERS else None,
                    no_ssh_check=runner_options.no_ssh_check)
 
 
@@ -307,7 +323,8 @@ def build_launch_parser() -> argparse.ArgumentParser:
     parser.add_argument("--node_rank", "--node-rank", type=int, metavar="K",
                         help="this host's position among the selected hosts (0-based; with --no_ssh)")
     parser.add_argument("--elastic_training", "--elastic-training", action="store_true",
-                        help="keep training when hosts leave or come back (needs --master_addr)")
+                        help="keep training when hosts leave or come back (needs --master_addr; --launcher "
+                        "pdsh or ssh, or --no_ssh)")
     parser.add_argument("--min_elastic_nodes", "--min-elastic-nodes", type=int, metavar="K",
                         help="fewest hosts an elastic job runs on (default: 1)")
     parser.add_argument("--max_elastic_nodes", "--max-elastic-nodes", type=int, metavar="K",
@@ -458,6 +475,7 @@ def parse_launch(argv: Sequence[str], *, environ: Mapping[str, str] | None = Non
             checked=True,
         )
         if not (request.include or request.exclude) or plan.mode is not LaunchMode.LOCAL:
+            _check_elastic_launcher(plan, runner_options)
             return plan, runner_options
     else:
         # This machine's pool ('localhost') is sized by the CUDA count: refuse a malformed filter first.
@@ -472,7 +490,15 @@ def parse_launch(argv: Sequence[str], *, environ: Mapping[str, str] | None = Non
         inherited_visible_devices=environ.get("CUDA_VISIBLE_DEVICES"),
         checked=True,
     )
+    _check_elastic_launcher(plan, runner_options)
     return plan, runner_options
+
+
+def _check_elastic_launcher(plan: LaunchPlan, runner_options: RunnerOptions) -> None:
+    """An elastic job started through a runner needs pdsh or ssh (:func:`commands.check_elastic_launcher`);
+    refused here, before anything starts. ``--no_ssh`` and one-host jobs never use ``--launcher``."""
+    if plan.mode is LaunchMode.RUNNER and plan.elastic_nodes is not None and runner_options.launcher is not None:
+        check_elastic_launcher(runner_options.launcher, elastic=True)
 
 
 def _runner_options(ns: argparse.Namespace) -> RunnerOptions:

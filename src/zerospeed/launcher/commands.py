@@ -7,7 +7,9 @@ runs them. How each runner tells the agent which host it is on (its node rank):
 
 - ``pdsh``: one ``pdsh -S -f 1024 -R ssh -w h0,h1 <remote shell>`` for all hosts, the remote shell
   ending in ``--node_host=%h`` (pdsh substitutes the host name it reached; its own ``%n`` follows pdsh's
-  host order, which pdsh may sort). ``%`` in our own text is written ``%%``, as pdsh wants.
+  host order, which pdsh may sort). ``%`` in our own text is written ``%%``, as pdsh wants. An elastic
+  job's agents start as one ``pdsh -w <host>`` per host instead: the runner must see each host's agent
+  end on its own (a lost host) and start it again alone when the host is back.
 - ``ssh``: one ``ssh [options] [-p port] host <remote shell>`` per host, ending in ``--node_rank=k``.
 - ``openmpi``: one ``mpirun`` with one application context per host (``-n 1 --host h`` ...
   ``--node_rank=k``, joined by ``:``): Open MPI maps the launching node first whatever the ``--host``
@@ -18,6 +20,14 @@ runs them. How each runner tells the agent which host it is on (its node rank):
   ``sh -c 'exec ... --node_host="$SLURMD_NODENAME"'``: Slurm numbers ``SLURM_NODEID`` in its own node
   order, not the hostfile's, so the agent looks its Slurm node name up in the job's hosts instead.
 - ``no_ssh``: nothing; the user runs ``zerospeed --no_ssh --node_rank=k`` on every host.
+
+Elastic training runs only under pdsh, ssh and ``--no_ssh`` (:func:`check_elastic_launcher`): one
+``mpirun`` or ``srun`` for all hosts ends as a whole when one host is lost, taking the survivors with it.
+Only the pdsh and ssh agents get ``--watch_stdin`` (the runner's pipe reaches each of them through its own
+ssh): Open MPI's and MPICH's ``mpirun`` forward stdin to their first process only (the others read
+``/dev/null``, an immediate end of input, and would stop at once), and under ``srun`` the runner stops
+the job through ``srun`` itself. ssh (directly, or pdsh's through ``PDSH_SSH_ARGS_APPEND``) always runs
+with :data:`SSH_OPTIONS`.
 
 The remote shell string (pdsh, ssh) has DeepSpeed's shape: ``export K=V; ...`` for the forwarded
 variables (:mod:`zerospeed.launcher.environment`), ``cd <launch folder>``, then the agent. Open MPI gets
@@ -41,16 +51,20 @@ from zerospeed.launcher.errors import LauncherError
 from zerospeed.launcher.job import JobSpec
 
 __all__ = [
+    "ELASTIC_LAUNCHERS",
     "LAUNCHERS",
     "NODE_MODULE",
     "PDSH_MAX_FAN_OUT",
     "PREFLIGHT_MODULE",
+    "PROBE_SSH_OPTIONS",
     "RUNNERS",
     "SSH_OPTIONS",
     "RemoteLaunch",
     "agent_pid_file",
+    "check_elastic_launcher",
     "launches",
     "preflight_launches",
+    "probe_command",
     "remote_shell",
     "runner_executable",
     "stop_commands",
@@ -69,6 +83,14 @@ PDSH_MAX_FAN_OUT = 1024
 #: 10 s, and notice a host that died (no answer to 3 keep-alives 5 s apart) instead of waiting forever.
 SSH_OPTIONS = ("-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-o", "ServerAliveInterval=5",
                "-o", "ServerAliveCountMax=3")
+_PROBE_CONNECT_TIMEOUT_S = "3"
+#: ssh options of the elastic reachability probe (:func:`probe_command`): never prompt, and give up within
+#: 3 s, before the runner's own 5 s deadline for a probe, so a host that is still down says so itself.
+PROBE_SSH_OPTIONS = ("-o", "BatchMode=yes", "-o", f"ConnectTimeout={_PROBE_CONNECT_TIMEOUT_S}")
+#: The launchers that can run ``--elastic_training``: each host's agent is its own process there.
+ELASTIC_LAUNCHERS = ("pdsh", "ssh")
+# Why one mpirun/srun cannot run an elastic job, per launcher.
+_ONE_PROCESS_FOR_ALL = {"openmpi": "Open MPI's mpirun", "mpich": "MPICH's mpirun (hydra)", "slurm": "srun"}
 
 # The executable each runner calls when none is given (see runner_executable for the lookup).
 _DEFAULT_EXECUTABLES = {"pdsh": "pdsh", "ssh": "ssh", "openmpi": "mpirun", "mpich": "mpirun", "slurm": "srun"}
@@ -127,13 +149,17 @@ def launches(
     launch folder, as DeepSpeed's ``cd``); ``python`` the interpreter on the hosts. ``executable``
     overrides the runner's program (see :func:`runner_executable`). ``local_environ`` is the runner's own
     environment, read only for the ssh options pdsh should add to the user's ``PDSH_SSH_ARGS_APPEND``.
-    pdsh and ssh agents watch their stdin (``--watch_stdin``): when the connection goes, they stop.
-    ``save_pid`` (``--save_pid``: the runner's PID, as DeepSpeed passes it) names each agent's pid file.
+    pdsh and ssh agents watch their stdin (``--watch_stdin``): when the connection goes, they stop (the
+    MPI and Slurm agents do not: see the module's notes). ``save_pid`` (``--save_pid``: the runner's PID,
+    as DeepSpeed passes it) names each agent's pid file. An elastic ``spec`` needs pdsh or ssh
+    (:func:`check_elastic_launcher`) and gets one process per host, pdsh's too.
     """
+    check_elastic_launcher(runner, elastic=spec.elastic is not None)
     return _node_commands(spec, runner, module=NODE_MODULE, watch_stdin=True, launcher_args=launcher_args,
                           ssh_port=ssh_port, exports=exports, cwd=cwd, python=python, executable=executable,
                           local_environ=local_environ, host_by_name=False,
-                          extra_args=(f"--save_pid={save_pid}",) if save_pid else ())
+                          extra_args=(f"--save_pid={save_pid}",) if save_pid else (),
+                          per_host=spec.elastic is not None)
 
 
 def preflight_launches(
@@ -147,13 +173,58 @@ def preflight_launches(
     python: str,
     executable: str | None = None,
     local_environ: Mapping[str, str] | None = None,
+    check_master: bool = False,
 ) -> tuple[RemoteLaunch, ...]:
     """Like :func:`launches`, for ``python -m zerospeed.launcher.preflight --job=<token>``: the same runner,
     folder and variables as the job itself, so what pre-flight sees is what the ranks will see. Each host
-    is named by ``--node_host`` (except under MPICH, which gives the process ``PMI_RANK`` only)."""
+    is named by ``--node_host`` (except under MPICH, which gives the process ``PMI_RANK`` only).
+    ``check_master`` adds ``--check_master`` (after the host's name): each host then tries the master
+    port, which only makes sense while the runner listens on it (:func:`multinode.run_job` decides, and
+    calls this again with ``check_master=True``)."""
     return _node_commands(spec, runner, module=PREFLIGHT_MODULE, watch_stdin=False,
                           launcher_args=launcher_args, ssh_port=ssh_port, exports=exports, cwd=cwd,
-                          python=python, executable=executable, local_environ=local_environ, host_by_name=True)
+                          python=python, executable=executable, local_environ=local_environ, host_by_name=True,
+                          tail_args=("--check_master",) if check_master else ())
+
+
+def check_elastic_launcher(runner: str, *, elastic: bool) -> None:
+    """Refuse ``--elastic_training`` under Open MPI, MPICH or Slurm: their one ``mpirun``/``srun`` starts
+    every host's agent and ends as a whole when one host is lost (the survivors' agents are killed with
+    it), so nothing could go on without the host, and nothing could start its agent alone when it is
+    back. pdsh (one process per host for elastic jobs), ssh and ``--no_ssh`` can."""
+    if elastic and runner in _ONE_PROCESS_FOR_ALL:
+        raise LauncherError(
+            f"--elastic_training cannot run under --launcher {runner}: {_ONE_PROCESS_FOR_ALL[runner]} starts "
+            "every host's agent as one job that ends as a whole when one host is lost; use --launcher pdsh "
+            "or ssh, or --no_ssh on each host"
+        )
+
+
+def probe_command(
+    runner: str,
+    host: str,
+    *,
+    launcher_args: Sequence[str],
+    ssh_port: int | None,
+    executable: str | None = None,
+    local_environ: Mapping[str, str] | None = None,
+) -> RemoteLaunch:
+    """The elastic runner's "is ``host`` up again" command (exit 0 = it is): ``true`` run on the host the
+    way its agent is started, with the same port, ``--launcher_args`` (a user name, a key) and, for pdsh,
+    the user's ``PDSH_SSH_ARGS_APPEND``; ssh gives up after 3 s (:data:`PROBE_SSH_OPTIONS`) and never
+    prompts. pdsh runs with ``-S`` so ssh's own exit code (255 for a host it cannot reach) is pdsh's, and
+    ``-t 3``: pdsh puts its own ``-oConnectTimeout=<-t>`` (10 by default) before ``PDSH_SSH_ARGS_APPEND``,
+    and ssh keeps the first value of an option."""
+    if runner not in ELASTIC_LAUNCHERS:
+        raise LauncherError(f"no reachability probe for --launcher {runner!r}: elastic jobs run under "
+                            f"{' or '.join(ELASTIC_LAUNCHERS)} only")
+    program = executable or _DEFAULT_EXECUTABLES[runner]
+    if runner == "pdsh":
+        return RemoteLaunch(argv=(program, "-S", "-t", _PROBE_CONNECT_TIMEOUT_S, "-R", "ssh", "-w", host,
+                                  *launcher_args, "true"), hosts=(host,),
+                            env=_pdsh_env(ssh_port, local_environ, options=PROBE_SSH_OPTIONS))
+    return RemoteLaunch(argv=(program, *PROBE_SSH_OPTIONS, *_ssh_port(ssh_port), *launcher_args, host, "true"),
+                        hosts=(host,))
 
 
 def stop_commands(
@@ -232,9 +303,12 @@ def remote_shell(exports: Mapping[str, str], cwd: str, argv: Sequence[str]) -> s
 def _node_commands(spec: JobSpec, runner: str, *, module: str, watch_stdin: bool,
                    launcher_args: Sequence[str], ssh_port: int | None, exports: Mapping[str, str], cwd: str,
                    python: str, executable: str | None, local_environ: Mapping[str, str] | None,
-                   host_by_name: bool, extra_args: tuple[str, ...] = ()) -> tuple[RemoteLaunch, ...]:
+                   host_by_name: bool, extra_args: tuple[str, ...] = (), tail_args: tuple[str, ...] = (),
+                   per_host: bool = False) -> tuple[RemoteLaunch, ...]:
     """Shared by :func:`launches` (the node agent) and :func:`preflight_launches` (the pre-flight probe):
-    the runners differ only in how the module's command reaches each host and learns which host it is."""
+    the runners differ only in how the module's command reaches each host and learns which host it is.
+    ``extra_args`` follow ``--job``, ``tail_args`` the host's name; ``watch_stdin`` applies to pdsh and
+    ssh only; ``per_host`` runs pdsh once per host."""
     _check_runner(runner, allow_no_ssh=True)
     if runner == "no_ssh":
         return ()
@@ -250,13 +324,16 @@ def _node_commands(spec: JobSpec, runner: str, *, module: str, watch_stdin: bool
         return (f"--node_host={hosts[node_rank]}",) if host_by_name else (f"--node_rank={node_rank}",)
 
     if runner == "pdsh":
-        command = _pdsh_escape(remote_shell(exports, cwd, (*base, *stdin))) + " --node_host=%h"
-        return (RemoteLaunch(argv=(*_pdsh_prefix(program, hosts), *extra, command), hosts=hosts,
-                             env=_pdsh_env(ssh_port, local_environ)),)
+        tail = "".join(f" {shlex.quote(word)}" for word in tail_args)
+        command = _pdsh_escape(remote_shell(exports, cwd, (*base, *stdin))) + " --node_host=%h" + tail
+        groups = tuple((host,) for host in hosts) if per_host else (hosts,)
+        return tuple(RemoteLaunch(argv=(*_pdsh_prefix(program, group), *extra, command), hosts=group,
+                                  env=_pdsh_env(ssh_port, local_environ)) for group in groups)
     if runner == "ssh":
         return tuple(
             RemoteLaunch(argv=(*_ssh_prefix(program, ssh_port), *extra, host,
-                               remote_shell(exports, cwd, (*base, *stdin, *identity(rank)))), hosts=(host,))
+                               remote_shell(exports, cwd, (*base, *stdin, *identity(rank), *tail_args))),
+                         hosts=(host,))
             for rank, host in enumerate(hosts))
     if runner == "openmpi":
         contexts: list[str] = []
@@ -266,16 +343,17 @@ def _node_commands(spec: JobSpec, runner: str, *, module: str, watch_stdin: bool
             contexts += ["-n", "1", "--host", host, "-wdir", cwd]
             for name, value in exports.items():
                 contexts += ["-x", f"{name}={value}"]
-            contexts += [*base, *identity(rank)]
+            contexts += [*base, *identity(rank), *tail_args]
         return (RemoteLaunch(argv=(program, *_openmpi_globals(ssh_port), *extra, *contexts), hosts=hosts),)
     if runner == "mpich":
         _check_mpich_ssh_port(ssh_port)
         genv = [word for name, value in exports.items() for word in ("-genv", name, value)]
         return (RemoteLaunch(argv=(program, "-n", str(len(hosts)), "-ppn", "1", "-hosts", ",".join(hosts),
-                                   *extra, *genv, "-wdir", cwd, *base), hosts=hosts),)
+                                   *extra, *genv, "-wdir", cwd, *base, *tail_args), hosts=hosts),)
     # slurm: srun runs no shell, so the node name comes from a small one.
     export, env = _slurm_export(exports)
-    script = "exec " + shlex.join(base) + ' --node_host="$SLURMD_NODENAME"'
+    script = "exec " + shlex.join(base) + ' --node_host="$SLURMD_NODENAME"' + "".join(
+        f" {shlex.quote(word)}" for word in tail_args)
     return (RemoteLaunch(argv=(program, *_srun_nodes(hosts), *extra, "--kill-on-bad-exit=1", f"--chdir={cwd}",
                                export, "sh", "-c", script), hosts=hosts, env=env),)
 
@@ -307,17 +385,22 @@ def _pdsh_escape(text: str) -> str:
     return text.replace("%", "%%")
 
 
-def _pdsh_env(ssh_port: int | None, local_environ: Mapping[str, str] | None) -> Mapping[str, str]:
+def _pdsh_env(ssh_port: int | None, local_environ: Mapping[str, str] | None, *,
+              options: Sequence[str] = SSH_OPTIONS) -> Mapping[str, str]:
     """pdsh's ssh module takes extra ssh options from ``PDSH_SSH_ARGS_APPEND`` (the user's value first,
     as DeepSpeed keeps it); ``PDSH_RCMD_TYPE=ssh`` as DeepSpeed sets it (``-R ssh`` says the same)."""
-    words = [*SSH_OPTIONS, *(("-p", str(ssh_port)) if ssh_port is not None else ())]
+    words = [*options, *_ssh_port(ssh_port)]
     user = (local_environ or {}).get("PDSH_SSH_ARGS_APPEND", "").strip()
     append = " ".join([user, *words] if user else words)
     return MappingProxyType({"PDSH_RCMD_TYPE": "ssh", "PDSH_SSH_ARGS_APPEND": append})
 
 
 def _ssh_prefix(program: str, ssh_port: int | None) -> tuple[str, ...]:
-    return (program, *SSH_OPTIONS, *(("-p", str(ssh_port)) if ssh_port is not None else ()))
+    return (program, *SSH_OPTIONS, *_ssh_port(ssh_port))
+
+
+def _ssh_port(ssh_port: int | None) -> tuple[str, ...]:
+    return ("-p", str(ssh_port)) if ssh_port is not None else ()
 
 
 def _openmpi_globals(ssh_port: int | None) -> tuple[str, ...]:

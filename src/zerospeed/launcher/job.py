@@ -18,11 +18,12 @@ import base64
 import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from types import MappingProxyType
 
 from zerospeed.launcher.errors import LauncherError
 from zerospeed.launcher.plan import Program
 
-__all__ = ["ElasticSpec", "JobSpec", "RUNNER_NODE_RANK_VARIABLES", "node_rank_of"]
+__all__ = ["DEFAULT_RDZV_CONFIGS", "ElasticSpec", "JobSpec", "RUNNER_NODE_RANK_VARIABLES", "node_rank_of"]
 
 # Variables from which a node agent started once per host by an MPI or Slurm runner reads its node
 # rank, in the order they are tried (an mpirun inside an sbatch job inherits the SLURM ones, so MPI's
@@ -30,14 +31,51 @@ __all__ = ["ElasticSpec", "JobSpec", "RUNNER_NODE_RANK_VARIABLES", "node_rank_of
 RUNNER_NODE_RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_NODEID")
 
 
+#: The c10d rendezvous settings of a launcher-driven elastic job (torch's keys and its string values, as
+#: ``torchrun --rdzv-conf`` passes them; see ``torch.distributed.elastic.rendezvous.dynamic_rendezvous
+#: .create_handler``). torch's defaults suit agents that a scheduler starts at unrelated times; ours start
+#: together from one runner, and every second a survivor waits is downtime:
+#:
+#: - ``last_call_timeout=3`` (torch: 30): once ``min_nodes`` hosts joined a round, how long it stays
+#:   open for more before the workers start. Every round with fewer than ``max_nodes`` hosts (each one
+#:   after a loss) pays it in full. A waiting agent polls the rendezvous state once a second (torch's
+#:   sync loop), so the survivors of a loss, all waiting for the round to open, join within ~1 s of
+#:   each other; the other 2 s cover start-up skew between hosts launched together (ssh, torch import).
+#:   A host later than that is not lost: it joins the wait list and torch's agents restart the workers
+#:   with it at once (one extra restart, never a wrong world).
+#: - ``keep_alive_interval=2``, ``keep_alive_max_attempt=3`` (torch: 5 and 3): a host whose agent sent no
+#:   heartbeat for interval x attempts is dropped from the rendezvous. A lost host is still a participant
+#:   of the finished round until then, and the survivors' next round cannot open before it is dropped:
+#:   4-6 s after its last heartbeat instead of 10-15 s. Heartbeats come from the agent's own timer thread
+#:   (not the busy workers), so 3 missed in a row means a dead host or link, not a slow one.
+#: - ``join_timeout=600`` (torch's default, made explicit): how long an agent waits for ``min_nodes`` hosts;
+#:   covers a slow first start. A job that falls below ``min_nodes`` is stopped by the runner earlier.
+#:
+#: So a survivor waits about 6 + 3 s in the rendezvous after a loss (torch's defaults: about 45 s). The node
+#: agent's ``--rdzv_conf k=v,...`` overrides single keys.
+DEFAULT_RDZV_CONFIGS: Mapping[str, str] = MappingProxyType({
+    "join_timeout": "600",
+    "last_call_timeout": "3",
+    "keep_alive_interval": "2",
+    "keep_alive_max_attempt": "3",
+})
+# torch's integer-valued rendezvous keys (seconds or a count): each must be a positive integer.
+_POSITIVE_RDZV_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
+                       "keep_alive_interval", "keep_alive_max_attempt", "read_timeout")
+
+
 @dataclass(frozen=True)
 class ElasticSpec:
     """``--elastic_training``: the job runs on any number of hosts in ``min_nodes..max_nodes`` and
-    restarts its workers (at most ``max_restarts`` times) when a host is lost or comes back."""
+    restarts its workers (at most ``max_restarts`` times) when a host is lost or comes back.
+    ``rdzv_configs`` are the c10d rendezvous settings every agent uses (:data:`DEFAULT_RDZV_CONFIGS`
+    says why they are shorter than torch's)."""
 
     min_nodes: int
     max_nodes: int
     max_restarts: int = 100
+    # hash=False: the spec stays hashable (a dict is not), equality still compares it
+    rdzv_configs: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_RDZV_CONFIGS), hash=False)
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_nodes <= self.max_nodes:
@@ -45,6 +83,12 @@ class ElasticSpec:
                 f"--min_elastic_nodes {self.min_nodes} and --max_elastic_nodes {self.max_nodes} must satisfy "
                 "1 <= min <= max"
             )
+        configs = {str(key): str(value) for key, value in self.rdzv_configs.items()}
+        for key in _POSITIVE_RDZV_KEYS:
+            if key in configs and not (configs[key].isdigit() and int(configs[key]) > 0):
+                raise LauncherError(f"rendezvous setting {key}={configs[key]!r} must be a positive integer "
+                                    f"(seconds, or a count); e.g. {key}={DEFAULT_RDZV_CONFIGS.get(key, '5')}")
+        object.__setattr__(self, "rdzv_configs", configs)  # a plain dict: encode() writes it as JSON
 
 
 @dataclass(frozen=True)
@@ -94,13 +138,23 @@ class JobSpec:
             world = tuple((str(host), tuple(int(s) for s in slots)) for host, slots in raw.pop("world"))
             return cls(
                 program=program,
-                elastic=ElasticSpec(**elastic) if elastic is not None else None,
+                elastic=_elastic(elastic) if elastic is not None else None,
                 world=world,
                 **raw,
             )
         except (ValueError, TypeError, KeyError, UnicodeError) as exc:
             raise LauncherError(f"cannot read the job description passed to this node ({exc}); the runner "
                                 "and this host may run different zerospeed versions") from None
+
+
+def _elastic(raw: dict[str, object]) -> ElasticSpec:
+    """A token without ``rdzv_configs`` (written before they existed) gets the defaults."""
+    configs = raw.pop("rdzv_configs", None)
+    if configs is None:
+        return ElasticSpec(**raw)  # type: ignore[arg-type]
+    if not isinstance(configs, dict):
+        raise TypeError(f"rdzv_configs must be an object, got {configs!r}")
+    return ElasticSpec(rdzv_configs={str(k): str(v) for k, v in configs.items()}, **raw)  # type: ignore[arg-type]
 
 
 def _program(raw: dict[str, object]) -> Program:

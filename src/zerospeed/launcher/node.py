@@ -57,7 +57,7 @@ from zerospeed.launcher.runners import (
 )
 from zerospeed.launcher.worker_guard import JOB_DIR_PREFIX, cores_of_rank, default_core_list, parse_core_list
 
-__all__ = ["AGENT_PID_FILE", "job_dir_of", "main", "parse_rdzv_conf", "worker_environ"]
+__all__ = ["AGENT_PID_FILE", "job_dir_of", "main", "parse_rdzv_conf", "rendezvous_configs", "worker_environ"]
 
 # In the job folder: this agent's PID (``kill -TERM`` it to stop the job on this host).
 AGENT_PID_FILE = "agent.pid"
@@ -94,6 +94,16 @@ def parse_rdzv_conf(text: str | None) -> dict[str, str]:
     return conf
 
 
+def rendezvous_configs(spec: JobSpec, rdzv_conf: str | None) -> dict[str, str]:
+    """The rendezvous settings this agent gives torch: an elastic job's own (``spec.elastic.rdzv_configs``,
+    shorter than torch's defaults, which make a survivor wait ~45 s after a loss: see
+    :data:`zerospeed.launcher.job.DEFAULT_RDZV_CONFIGS`), then ``--rdzv_conf`` key by key on top (tests
+    and experiments shorten them further). A fixed job's static rendezvous has none of its own."""
+    configs = dict(spec.elastic.rdzv_configs) if spec.elastic is not None else {}
+    configs.update(parse_rdzv_conf(rdzv_conf))
+    return configs
+
+
 def worker_environ(spec: JobSpec, node_rank: int, parent: Mapping[str, str], *,
                    cuda_devices: int) -> dict[str, str]:
     """Variables this host's ranks get on top of the agent's own (torch's agent adds the per-rank ones):
@@ -124,7 +134,8 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--save_pid", type=int, default=0,
                         help="write this agent's PID to <tmp>/<SAVE_PID>.deepspeed (DeepSpeed's launch)")
     parser.add_argument("--rdzv_conf", default=None,
-                        help="elastic jobs: torch rendezvous settings key=value,... (last_call_timeout=...)")
+                        help="elastic jobs: torch rendezvous settings key=value,... over the job's own "
+                        "(last_call_timeout=...)")
     return parser.parse_args(list(argv))
 
 
@@ -135,7 +146,7 @@ def main(argv: Sequence[str] | None = None, *, log: TextIO | None = None) -> int
     try:
         spec = JobSpec.decode(args.job)
         node_rank = node_rank_of(spec, explicit=args.node_rank, host=args.node_host, environ=os.environ)
-        rdzv_conf = parse_rdzv_conf(args.rdzv_conf)
+        rdzv_conf = rendezvous_configs(spec, args.rdzv_conf)
         _check_binding(spec, node_rank, os.environ)
         job_dir = job_dir_of(spec.job_id, node_rank=node_rank)
     except LauncherError as exc:
