@@ -149,3 +149,112 @@ def test_no_ssh_one_launcher_per_host(cluster: Cluster, reference: dict[tuple[in
     assert [p.returncode for p in procs] == [0] * HOSTS, "\n".join(o[-3000:] for o in outputs)
     assert _read_losses(work / "out") == reference
     _assert_spans_hosts(cluster, work / "out", "no_ssh")
+
+
+def _wait_for_step(out: Path, step: int, proc: subprocess.Popen[str], timeout: float) -> None:
+    """Until rank 0 has written ``step`` (any stage), or fail with the job's output."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        path = out / "losses.jsonl"
+        if path.exists() and any(json.loads(line)["step"] >= step for line in path.read_text().splitlines()):
+            return
+        if proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    proc.kill()
+    output, _ = proc.communicate()
+    pytest.fail(f"step {step} not reached (exit {proc.returncode}):\n{output[-6000:]}")
+
+
+def _job_pids(cluster: Cluster, host: int, baseline: set[int]) -> set[int]:
+    """Processes on ``host`` that were not there before the job (the job's, or leftovers of it)."""
+    return cluster.pids_on(host) - baseline
+
+
+def test_a_host_lost_mid_run_ends_the_job_everywhere_naming_it(cluster: Cluster) -> None:
+    work = _job_dir(cluster, "lost_host")
+    baseline = {i: cluster.pids_on(i) for i in range(HOSTS)}
+    proc = cluster.run_on(0, [ZEROSPEED, "--hostfile", str(work / "hostfile"), "--launcher", "pdsh", str(SCRIPT),
+                              "--out", str(work / "out"), "--steps", "200", "--stages", "2", "--step_delay", "0.2"],
+                          cwd=str(work), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for_step(work / "out", 10, proc, LAUNCH_TIMEOUT_S)
+        cluster.kill_host(2)  # every process of host 2, its sshd too: the machine is gone
+        killed_at = time.monotonic()
+        output, _ = proc.communicate(timeout=90)
+        ended_after = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        cluster.revive_host(2)
+    assert proc.returncode != 0, output[-4000:]
+    assert ended_after < 60, (ended_after, output[-4000:])
+    summary = [line for line in output.splitlines() if line.startswith("zerospeed: host ")]
+    assert summary and summary[0].startswith(f"zerospeed: host {cluster.hostnames[2]}"), output[-4000:]
+    time.sleep(1.0)  # the stopped agents' last exits are reaped by their sshd sessions
+    for i in range(HOSTS - 1):
+        assert _job_pids(cluster, i, baseline[i]) == set(), (i, output[-3000:])
+
+
+def _phases(losses: dict[tuple[int, int], tuple[int, float]], stage: int) -> list[tuple[int, int, int]]:
+    """``(world, first step, last step)`` runs of the final per-step world sizes."""
+    phases: list[tuple[int, int, int]] = []
+    for step in sorted(s for st, s in losses if st == stage):
+        world = losses[(stage, step)][0]
+        if phases and phases[-1][0] == world and phases[-1][2] == step - 1:
+            phases[-1] = (world, phases[-1][1], step)
+        else:
+            phases.append((world, step, step))
+    return phases
+
+
+def test_elastic_job_shrinks_to_the_survivors_and_grows_back(cluster: Cluster) -> None:
+    """3 hosts, checkpoints every 4 steps, host 2 killed at step 10: the job goes on from step 8 on 4 ranks with
+    the same global batch; host 2 revived: back to 6 ranks from the then newest checkpoint. The losses equal a
+    reference that replays the same phases (6 ranks, then 4, then 6) from the same checkpoints."""
+    work = _job_dir(cluster, "elastic")
+    # 32 steps: after the loss at step 10 the survivors must still be training when host 2 is back and its
+    # agent re-joined (probe interval, start-up, a restart): some 10-15 s of steps.
+    stage, save_every, steps = 3, 4, 32
+    common = [str(SCRIPT), "--stages", str(stage), "--steps", str(steps), "--elastic", "--save_every", str(save_every)]
+    proc = cluster.run_on(0, [ZEROSPEED, "--hostfile", str(work / "hostfile"), "--launcher", "ssh",
+                              "--elastic_training", "--min_elastic_nodes", "2", "--max_elastic_nodes", "3",
+                              "--master_addr", cluster.hostnames[0], *common, "--out", str(work / "out"),
+                              "--ckpt", str(work / "ckpt"), "--step_delay", "0.5"],
+                          cwd=str(work), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for_step(work / "out", 10, proc, LAUNCH_TIMEOUT_S)
+        cluster.kill_host(2)
+        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+        while time.monotonic() < deadline and proc.poll() is None:  # a few steps on the survivors, then revive
+            losses = _read_losses(work / "out")
+            if any(world == 4 and step >= 10 for (_, step), (world, _) in losses.items()):
+                break
+            time.sleep(0.1)
+        cluster.revive_host(2)
+        output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, output[-6000:]
+    losses = _read_losses(work / "out")
+    phases = _phases(losses, stage)
+    worlds = [world for world, _, _ in phases]
+    assert worlds[:3] == [6, 4, 6] and phases[1][1] == 9, (phases, output[-4000:])
+    assert f"host {cluster.hostnames[2]} lost" in output and "downtime" in output, output[-4000:]
+    # the reference: each phase from the previous phase's last checkpoint, at that phase's world size
+    ref = _job_dir(cluster, "elastic_reference")
+    for world, _, last in phases:
+        done = _launch(cluster, 0, [ZEROSPEED, "--num_procs", str(world), str(SCRIPT), "--stages", str(stage),
+                                    "--steps", str(last), "--elastic", "--save_every", str(save_every),
+                                    "--out", str(ref / "out"), "--ckpt", str(ref / "ckpt")], work=ref)
+        assert done.returncode == 0, done.stdout[-4000:]
+    expected = _read_losses(ref / "out")
+    assert sorted(expected) == sorted(losses)
+    for key in sorted(losses):
+        assert losses[key][0] == expected[key][0], key
+        assert abs(losses[key][1] - expected[key][1]) <= 1e-6, (key, losses[key], expected[key])

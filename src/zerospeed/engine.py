@@ -281,7 +281,6 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
             world = dist.get_world_size() if dist.is_initialized() else self.comm.world_size
             line = restart_message(restart, world_size=world, now=time.time())
             log.info("%s", line)
-            print(line, file=sys.stderr, flush=True)
 
     def _window_loss_value(self) -> float:
         """This rank's losses of the window, summed (nan or inf when any was; 0.0 when none was seen).

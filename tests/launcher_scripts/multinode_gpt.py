@@ -62,7 +62,6 @@ def where() -> dict[str, object]:
 
 def config(stage: int, args: argparse.Namespace) -> dict[str, object]:
     cfg: dict[str, object] = {
-        "train_micro_batch_size_per_gpu": args.micro_batch,
         "optimizer": {"type": "Adam", "params": {"lr": 3e-3}},
         "zero_optimization": {"stage": stage},
         "steps_per_print": 10**9,
@@ -71,8 +70,9 @@ def config(stage: int, args: argparse.Namespace) -> dict[str, object]:
         cfg["elasticity"] = {"enabled": True, "max_train_batch_size": args.global_batch,
                              "micro_batch_sizes": [args.micro_batch], "min_gpus": 1, "max_gpus": 64,
                              "version": 0.1}
-    else:
+    else:  # elasticity derives both from the world size
         cfg["train_batch_size"] = args.global_batch
+        cfg["train_micro_batch_size_per_gpu"] = args.micro_batch
     return cfg
 
 

@@ -67,13 +67,15 @@ _POSITIVE_RDZV_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "he
 @dataclass(frozen=True)
 class ElasticSpec:
     """``--elastic_training``: the job runs on any number of hosts in ``min_nodes..max_nodes`` and
-    restarts its workers (at most ``max_restarts`` times) when a host is lost or comes back.
-    ``rdzv_configs`` are the c10d rendezvous settings every agent uses (:data:`DEFAULT_RDZV_CONFIGS`
+    restarts its workers when a host is lost or comes back. ``max_restarts`` bounds the restarts after a
+    failure (a lost host is one; torch does not count a host joining): 10 rides out hosts lost over a long
+    job, while a script that fails the same way at every start (a config error) ends the job after ten
+    quick tries instead of looping for an hour. ``rdzv_configs`` are the c10d rendezvous settings every agent uses (:data:`DEFAULT_RDZV_CONFIGS`
     says why they are shorter than torch's)."""
 
     min_nodes: int
     max_nodes: int
-    max_restarts: int = 100
+    max_restarts: int = 10
     # hash=False: the spec stays hashable (a dict is not), equality still compares it
     rdzv_configs: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_RDZV_CONFIGS), hash=False)
 

@@ -74,6 +74,9 @@ PREFLIGHT_MARKER = "ZEROSPEED_PREFLIGHT "
 _RING_LINES = 20
 # Main loop poll period: bounds how fast an exit or a signal is acted on.
 _POLL_S = 0.05
+# Elastic: after the first agent exits 0, how long the others get to end by themselves before a late
+# re-joiner (waiting on a closed rendezvous) is stopped.
+_COMPLETED_GRACE_S = 10.0
 # How long a stop command may run before we stop waiting for it (it is killed then).
 _STOP_COMMAND_TIMEOUT_S = 10.0
 # After a launch process exits, how long we wait for its last output lines before reporting.
@@ -535,6 +538,8 @@ class _Job:
         self.rejoins: collections.Counter[str] = collections.Counter()
         # The launch that starts each host's agent alone (elastic restarts it after a loss).
         self.by_host: dict[str, _Launch] = {}
+        # Elastic: when the first agent exited 0 (its round's workers all succeeded: the job is done).
+        self.completed_at: float | None = None
 
     def say(self, message: str) -> None:
         print(f"zerospeed: {message}", file=self.log, flush=True)
@@ -579,6 +584,8 @@ class _Job:
                     return result
             if not self.running and not self._probing():
                 return 0
+            if self.completed_at is not None and time.monotonic() - self.completed_at > _COMPLETED_GRACE_S:
+                return self._finish_completed()
             if not self.running and self.lost and self.spec.elastic is not None:
                 # Every remaining host finished while some were lost: the job is done without them.
                 for host in list(self.lost):
@@ -593,10 +600,28 @@ class _Job:
     def _ended(self, running: _Running, code: int) -> int | None:
         hosts = running.launch.hosts
         if code == 0:
+            if self.spec.elastic is not None and self.completed_at is None:
+                self.completed_at = time.monotonic()
+            return None
+        if self.completed_at is not None:
+            # An agent that re-joined just as the job finished finds the rendezvous closed: not a failure.
+            self.say(f"host {', '.join(hosts)} ended ({_describe(code)}) after the job completed; ignored")
             return None
         if self.spec.elastic is not None and len(hosts) == 1 and self._host_lost(hosts[0], code):
             return self._lose(hosts[0], code)
         return self._fail(hosts, code)
+
+    def _finish_completed(self) -> int:
+        """Elastic: the job completed, but agents started to re-join a lost host still wait for a
+        rendezvous that closed (and probes still run): stop them, and report success."""
+        for host in list(self.lost):
+            self._stop_probe(host)
+            self.say(f"host {host} did not come back before the job finished")
+        if self.running:
+            late = ", ".join(h for r in self.running for h in r.launch.hosts)
+            self.say(f"the job completed; stopping the agent(s) on {late} that were still re-joining")
+            self.stop_everything()
+        return 0
 
     def _pdsh_failure(self) -> int | None:
         """pdsh keeps running while one host's command already failed; act on its report at once."""

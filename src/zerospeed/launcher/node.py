@@ -109,7 +109,13 @@ def worker_environ(spec: JobSpec, node_rank: int, parent: Mapping[str, str], *,
     """Variables this host's ranks get on top of the agent's own (torch's agent adds the per-rank ones):
     ``CUDA_VISIBLE_DEVICES`` from the host's slots when CUDA devices exist (as DeepSpeed's launch does,
     mapped through an inherited value), ``OMP_NUM_THREADS=1`` for several ranks unless set (as
-    single-node launches; a core binding sets it per rank instead), then the job's ``worker_env``."""
+    single-node launches; a core binding sets it per rank instead), then the job's ``worker_env``.
+
+    Elastic jobs also get ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (read by the agent's c10d rendezvous
+    too, which runs inside the same patched environment): by default the ranks of every rendezvous round
+    meet on the agents' one long-lived store, where the previous round's keys (each rank's gloo address)
+    are still set, so a restarted rank connects to a rank that no longer listens ("Connection refused").
+    With the variable set, rank 0 of each round serves a fresh store on a free port the agents agree on."""
     from zerospeed.launcher.plan import _visible_devices
 
     slots = spec.slots_of(node_rank)
@@ -119,6 +125,8 @@ def worker_environ(spec: JobSpec, node_rank: int, parent: Mapping[str, str], *,
         extra["CUDA_VISIBLE_DEVICES"] = ",".join(visible)
     if "OMP_NUM_THREADS" not in parent and len(slots) > 1:
         extra["OMP_NUM_THREADS"] = "1"
+    if spec.elastic is not None:
+        extra["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     extra.update(spec.worker_env)
     return extra
 

@@ -236,7 +236,12 @@ def run_agent(config: LaunchConfig, entrypoint: str, args: list[str], *,
                                       run_id=config.run_id, min_nodes=config.min_nodes,
                                       max_nodes=config.max_nodes, local_addr=config.local_addr,
                                       **config.rdzv_configs)
-    master_addr, master_port = parse_rendezvous_endpoint(config.rdzv_endpoint, default_port=-1)
+    # As torch's launch_agent: only the static rendezvous fixes the workers' store address; under c10d the
+    # agents agree on one per round (a fresh port on the host of rank 0, see node.worker_environ).
+    master_addr: str | None = None
+    master_port: int | None = None
+    if config.rdzv_backend == "static":
+        master_addr, master_port = parse_rendezvous_endpoint(config.rdzv_endpoint, default_port=-1)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
     spec = WorkerSpec(role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint,
                       args=tuple(args), rdzv_handler=rdzv_registry.get_rendezvous_handler(parameters),
