@@ -258,3 +258,50 @@ def test_elastic_job_shrinks_to_the_survivors_and_grows_back(cluster: Cluster) -
     for key in sorted(losses):
         assert losses[key][0] == expected[key][0], key
         assert abs(losses[key][1] - expected[key][1]) <= 1e-6, (key, losses[key], expected[key])
+
+
+def test_preflight_refuses_before_any_rank_starts_naming_the_host(cluster: Cluster) -> None:
+    """An unreachable host, a host with another zerospeed version, a script missing on one host and a bad
+    hostfile line: each refused with exit code 2 before any rank starts, naming the host (or line) and the fix."""
+    work = _job_dir(cluster, "preflight")
+    script = work / "train.py"
+    script.write_text((REPO / "tests" / "launcher_scripts" / "multinode_gpt.py").read_text())
+    (work / "gpt_path").mkdir()
+
+    def launch(hostfile: str = "hostfile") -> subprocess.CompletedProcess[str]:
+        return _launch(cluster, 0, [ZEROSPEED, "--hostfile", str(work / hostfile), "--launcher", "ssh", str(script),
+                                    "--out", str(work / "out")], work=work, timeout=120)
+
+    def refused(done: subprocess.CompletedProcess[str], *needles: str) -> None:
+        assert done.returncode == 2, done.stdout[-3000:]
+        assert "zerospeed: error:" in done.stdout, done.stdout[-3000:]
+        for needle in needles:
+            assert needle in done.stdout, (needle, done.stdout[-3000:])
+        assert not (work / "out").exists()  # no rank ever ran
+
+    h1, h2 = cluster.hostnames[1], cluster.hostnames[2]
+    # another zerospeed on h1: its mount namespace sees a different zerospeed/__init__.py
+    init = Path(sys.modules["zerospeed"].__file__ or "")
+    fake = work / "other_version_init.py"
+    fake.write_text(init.read_text().replace('__version__ = "', '__version__ = "9.9.9+other-', 1))
+    mount = ["mount", "--bind", str(fake), str(init)]
+    subprocess.run(cluster.nsenter_argv(1, mount), check=True)
+    try:
+        refused(launch(), f"host {h1}", "9.9.9+other-")
+    finally:
+        subprocess.run(cluster.nsenter_argv(1, ["umount", str(init)]), check=True)
+    # the script is missing on h2 (an empty folder over the job folder there)
+    subprocess.run(cluster.nsenter_argv(2, ["mount", "-t", "tmpfs", "none", str(work)]), check=True)
+    try:
+        refused(launch(), f"host {h2}", "train.py")
+    finally:
+        subprocess.run(cluster.nsenter_argv(2, ["umount", str(work)]), check=True)
+    # h2 unreachable: its cable unplugged, so ssh hears nothing (a time-out, not a refusal)
+    cluster.set_link(2, up=False)
+    try:
+        refused(launch(), f"host {h2}", "did not answer")
+    finally:
+        cluster.set_link(2, up=True)
+    # a hostfile line that does not parse: named by file and line before anything is started
+    (work / "bad_hostfile").write_text(f"{cluster.hostnames[0]} slots=2\n{h1} slots=two\n")
+    refused(launch("bad_hostfile"), "bad_hostfile:2")
