@@ -19,6 +19,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "spawns: starts processes (ranks, the launcher, scripts); "
                                        "left out by make test-fast unless also marked smoke")
     config.addinivalue_line("markers", "smoke: a quick multi-rank test make test-fast runs although it spawns")
+    config.addinivalue_line("markers", "cluster: runs on the namespace test cluster (zerospeed.testing.cluster: root, "
+                                       "network namespaces, sshd, pdsh, MPI, Slurm); the `make test-cluster` lane")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

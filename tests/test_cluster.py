@@ -25,6 +25,9 @@ from zerospeed.testing.cluster import (
 )
 from zerospeed.testing.cluster import _rate_bits
 
+# Needs the namespace test cluster (root, iproute2, sshd ...): the `make test-cluster` lane.
+pytestmark = pytest.mark.cluster
+
 # Printed by a host over ssh: where am I (hostname, the address my hostname resolves to, my network
 # namespace) and can I see the shared folder.
 _WHERE = ("import json, os, socket, sys; print(json.dumps({'hostname': socket.gethostname(), "

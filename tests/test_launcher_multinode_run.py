@@ -469,6 +469,7 @@ DRIVER = textwrap.dedent(
 )
 
 
+@pytest.mark.cluster
 def test_real_hosts_a_killed_host_is_named_and_nothing_of_the_job_remains(tmp_path: Path) -> None:
     """2 hosts x 1 rank over real ssh with the real node agent and a gloo all-reduce loop; every
     process on h1 is killed mid-run: the runner (on h0) exits non-zero naming h1 within a bound, and

@@ -22,6 +22,9 @@ import pytest
 
 from zerospeed.testing.cluster import Cluster, cluster_or_skip
 
+# Needs the namespace test cluster (root, iproute2, sshd ...): the `make test-cluster` lane.
+pytestmark = pytest.mark.cluster
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "launcher_scripts" / "multinode_gpt.py"
 ZEROSPEED = str(Path(sys.executable).with_name("zerospeed"))

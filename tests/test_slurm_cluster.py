@@ -22,6 +22,9 @@ from zerospeed.testing.slurm_cluster import (
     slurm_unavailable_reason,
 )
 
+# Needs the namespace test cluster (root, iproute2, sshd ...): the `make test-cluster` lane.
+pytestmark = pytest.mark.cluster
+
 # Printed by every task: where it ran and what Slurm told it.
 _WHERE = ("import json, os, socket; print(json.dumps({'host': socket.gethostname(), "
           "'netns': os.stat('/proc/self/ns/net').st_ino, 'node': int(os.environ['SLURM_NODEID']), "
