@@ -121,6 +121,16 @@ def test_mpich_hydra_one_rank_per_host_in_host_order() -> None:
         "these hosts in ~/.ssh/config instead, or use --launcher pdsh, ssh or openmpi")
 
 
+def test_an_ssh_port_under_slurm_is_refused_not_ignored() -> None:
+    for build in (lambda: _launches("slurm", ssh_port=2222),
+                  lambda: stop_commands(SPEC, "slurm", launcher_args=(), ssh_port=2222)):
+        with pytest.raises(LauncherError) as info:
+            build()
+        assert str(info.value) == (
+            "--ssh_port 2222 has no meaning under --launcher slurm (srun reaches the hosts through slurmd, not "
+            "ssh); leave it out, or use --launcher pdsh, ssh or openmpi")
+
+
 def test_slurm_srun_names_the_nodes_and_the_agent_finds_itself_by_slurm_node_name() -> None:
     (launch,) = _launches("slurm", launcher_args=("--partition", "gpu"))
     assert launch.argv == (

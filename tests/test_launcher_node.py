@@ -461,3 +461,19 @@ def test_the_engine_logs_the_downtime_at_the_first_step_after_a_restart(monkeypa
     assert restart_message(ElasticRestart(count=1, lost_at=100.0), world_size=4, now=103.25) == (
         "zerospeed: elastic restart 1: 4 ranks, downtime 3.2 s (host lost -> first step)")
     assert ElasticRestart.from_environ({}) is None
+
+
+def test_save_pid_never_overwrites_or_removes_another_agents_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hosts sharing /tmp: the second agent of a job finds the runner's ``<pid>.deepspeed`` written by the
+    first; it says so and leaves the file alone (it used to refuse to start)."""
+    from zerospeed.launcher.node import _saved_pid
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    (tmp_path / "4242.deepspeed").write_text("1111")
+    log = io.StringIO()
+    with _saved_pid(True, 4242, log):
+        assert (tmp_path / "4242.deepspeed").read_text() == "1111"
+    assert (tmp_path / "4242.deepspeed").read_text() == "1111"
+    assert log.getvalue() == (f"zerospeed: --save_pid: {tmp_path / '4242.deepspeed'} exists already (another agent "
+                              f"sharing this /tmp, or a file left by an earlier launch); this agent's PID is "
+                              f"{os.getpid()}\n")

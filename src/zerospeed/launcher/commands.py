@@ -262,6 +262,7 @@ def stop_commands(
         return (RemoteLaunch(argv=(program, "-n", str(len(hosts)), "-ppn", "1", "-hosts", ",".join(hosts),
                                    *extra, "sh", "-c", script), hosts=hosts),)
     # slurm: --overlap lets the step run beside the job's own step on the same nodes.
+    _check_srun_ssh_port(ssh_port)
     return (RemoteLaunch(argv=(program, *_srun_nodes(hosts), *extra, "--overlap", "sh", "-c", script),
                          hosts=hosts),)
 
@@ -351,6 +352,7 @@ def _node_commands(spec: JobSpec, runner: str, *, module: str, watch_stdin: bool
         return (RemoteLaunch(argv=(program, "-n", str(len(hosts)), "-ppn", "1", "-hosts", ",".join(hosts),
                                    *extra, *genv, "-wdir", cwd, *base, *tail_args), hosts=hosts),)
     # slurm: srun runs no shell, so the node name comes from a small one.
+    _check_srun_ssh_port(ssh_port)
     export, env = _slurm_export(exports)
     script = "exec " + shlex.join(base) + ' --node_host="$SLURMD_NODENAME"' + "".join(
         f" {shlex.quote(word)}" for word in tail_args)
@@ -406,6 +408,14 @@ def _ssh_port(ssh_port: int | None) -> tuple[str, ...]:
 def _openmpi_globals(ssh_port: int | None) -> tuple[str, ...]:
     """Open MPI starts its daemons over ssh; a port goes to it through ``plm_rsh_args``."""
     return ("--mca", "plm_rsh_args", f"-p {ssh_port}") if ssh_port is not None else ()
+
+
+def _check_srun_ssh_port(ssh_port: int | None) -> None:
+    if ssh_port is not None:
+        raise LauncherError(
+            f"--ssh_port {ssh_port} has no meaning under --launcher slurm (srun reaches the hosts through "
+            "slurmd, not ssh); leave it out, or use --launcher pdsh, ssh or openmpi"
+        )
 
 
 def _check_mpich_ssh_port(ssh_port: int | None) -> None:

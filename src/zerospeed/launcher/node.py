@@ -13,12 +13,13 @@ What it adds (see :mod:`zerospeed.launcher.agent` for the output and restart mec
 - ``each_rank_log_dir``: each rank's output also in ``<dir>/<start time>_<host>_rank<r>.log``;
 - ``bind_cores_to_rank``: each local rank pinned to its share of the cores (DeepSpeed's rule), with
   ``OMP_NUM_THREADS`` set to that share's size;
-- the job folder ``<tempfile.gettempdir()>/zerospeed-job-<job id>/`` holding ``agent.pid`` (this
+- the job folder ``<tempfile.gettempdir()>/zerospeed-job-<job id>-<hostname>-n<node rank>/`` holding ``agent.pid`` (this
   process) and ``workers.pid``, removed at exit (by the ranks' watchers if this process is killed
   outright): stopping the job on a host is ``kill -TERM $(cat .../agent.pid)``;
 - ``save_pid`` (DeepSpeed's ``--save_pid``): ``launcher pid: <pid>`` printed and written to
   ``<tempfile.gettempdir()>/<N>.deepspeed``, N being ``--save_pid N`` (the runner's PID) or else the PID
-  of the process that started this agent; removed at exit;
+  of the process that started this agent; removed at exit (when several hosts share ``/tmp`` the first
+  agent's file stays, the others say so);
 - SIGTERM/SIGINT/SIGHUP/SIGQUIT stop the ranks (the same signal, SIGKILL after the grace) and exit
   128 + the signal; with ``--watch_stdin`` the end of stdin (the runner's pipe: the runner died) does
   what SIGTERM does;
@@ -306,8 +307,12 @@ def _saved_pid(enabled: bool, owner: int, log: TextIO) -> Iterator[None]:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:
-        raise LauncherError(f"--save_pid: {path} exists already (another launch with the same PID file); "
-                            "remove it if that launch is gone") from None
+        # Another agent of this job on a host sharing /tmp (same runner PID), or a file left by a launch
+        # that is gone: never overwrite or remove a file this agent did not write.
+        print(f"zerospeed: --save_pid: {path} exists already (another agent sharing this /tmp, or a file "
+              f"left by an earlier launch); this agent's PID is {os.getpid()}", file=log, flush=True)
+        yield
+        return
     with os.fdopen(fd, "w") as fh:
         fh.write(f"{os.getpid()}")
     print(f"launcher pid: {os.getpid()}", file=log, flush=True)

@@ -4,8 +4,9 @@ Single-node jobs run under torch's elastic agent (the machinery behind ``torchru
 process per rank with ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/``LOCAL_WORLD_SIZE``/``MASTER_ADDR``/
 ``MASTER_PORT`` set, hosts the rendezvous store, watches the workers and, because we allow no
 restarts, stops every other rank as soon as one fails. We only translate our plan into its
-``LaunchConfig`` and its outcome into an exit code. Multi-node runners (ssh/pdsh, slurm, mpirun)
-come later and will sit next to :func:`run_local`.
+``LaunchConfig`` and its outcome into an exit code. Multi-node jobs run one node agent per host
+(:mod:`~zerospeed.launcher.node`), which builds its ``LaunchConfig`` with the same :func:`agent_config`
+and runs it with :func:`run_agent`; the launching host's side is :mod:`~zerospeed.launcher.multinode`.
 
 Each rank starts through :mod:`~zerospeed.launcher.worker_guard` (:func:`guarded_command`), which
 stops the rank and removes the launch's temporary folder if this process dies without doing so
