@@ -73,6 +73,7 @@ bench: install
 	$(BIN)/python benchmarks/bench_comms_logger.py --calls 20000 --rounds 3
 	$(BIN)/python benchmarks/bench_plan.py --model demo --malloc fixed
 	$(BIN)/python benchmarks/bench_import.py --runs 3
+	$(BIN)/python benchmarks/bench_multinode.py --quick
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache
