@@ -29,9 +29,11 @@ from zerospeed.launcher.commands import (
     stop_script,
 )
 from zerospeed.launcher.environment import (
+    ForwardedEnvironment,
     env_file_paths,
     forwarded_environment,
     parse_env_file,
+    parse_env_lines,
     read_env_files,
 )
 from zerospeed.launcher.errors import LauncherError
@@ -284,7 +286,57 @@ def test_exports_must_be_shell_names() -> None:
         launches(SPEC, "ssh", launcher_args=(), ssh_port=None, exports={"A-B": "1"}, cwd="/", python="py")
 
 
+FILE_EXPORTS = ForwardedEnvironment({"NCCL_DEBUG": "$HOME", "LD_LIBRARY_PATH": "/opt/nccl/lib:$LD_LIBRARY_PATH",
+                                     "Q": 'a"b\\c`d` e'}, expand={"LD_LIBRARY_PATH", "Q"})
+
+
+def test_env_file_values_are_double_quoted_for_pdsh_and_ssh_and_literal_elsewhere() -> None:
+    exports_shell = ("export NCCL_DEBUG='$HOME'; export LD_LIBRARY_PATH=\"/opt/nccl/lib:$LD_LIBRARY_PATH\"; "
+                     "export Q=\"a\\\"b\\\\c\\`d\\` e\";")
+    assert remote_shell(FILE_EXPORTS, "/w", ("true",)) == f"{exports_shell} cd /w && exec true"
+    assert remote_shell(dict(FILE_EXPORTS), "/w", ("true",)) == (  # a plain dict: every value literal
+        "export NCCL_DEBUG='$HOME'; export LD_LIBRARY_PATH='/opt/nccl/lib:$LD_LIBRARY_PATH'; "
+        "export Q='a\"b\\c`d` e'; cd /w && exec true")
+
+    def argv(runner: str) -> tuple[str, ...]:
+        (launch,) = launches(SPEC, runner, launcher_args=(), ssh_port=None, exports=FILE_EXPORTS, cwd="/w",
+                             python="py")[:1]
+        return launch.argv
+
+    assert argv("pdsh")[-1].startswith(f"{exports_shell} cd /w && exec py -u -m zerospeed.launcher.node")
+    assert argv("ssh")[-1].startswith(f"{exports_shell} cd /w && exec py -u -m zerospeed.launcher.node")
+    assert argv("openmpi")[7:13] == ("-x", "NCCL_DEBUG=$HOME", "-x",
+                                     "LD_LIBRARY_PATH=/opt/nccl/lib:$LD_LIBRARY_PATH", "-x", 'Q=a"b\\c`d` e')
+    assert argv("mpich")[7:16] == ("-genv", "NCCL_DEBUG", "$HOME", "-genv", "LD_LIBRARY_PATH",
+                                   "/opt/nccl/lib:$LD_LIBRARY_PATH", "-genv", "Q", 'a"b\\c`d` e')
+    assert argv("slurm")[7] == (
+        '--export=ALL,NCCL_DEBUG=$HOME,LD_LIBRARY_PATH=/opt/nccl/lib:$LD_LIBRARY_PATH,Q=a"b\\c`d` e')
+
+
+def test_the_stop_script_looks_in_the_exported_temporary_folder() -> None:
+    exports = ForwardedEnvironment({"NCCL_DEBUG": "INFO", "TMP": "/t p", "TMPDIR": "$SCRATCH/tmp"},
+                                   expand={"TMPDIR"})
+
+    def stop(runner: str) -> str:
+        return stop_commands(SPEC, runner, launcher_args=(), ssh_port=None, exports=exports)[0].argv[-1]
+
+    assert stop("ssh") == "TMPDIR=\"$SCRATCH/tmp\"; TMP='/t p'; " + STOP
+    assert stop("pdsh") == "TMPDIR=\"$SCRATCH/tmp\"; TMP='/t p'; " + STOP.replace("%", "%%")
+    for runner in ("openmpi", "mpich", "slurm"):  # passed literally there, so looked up literally
+        assert stop(runner) == "TMPDIR='$SCRATCH/tmp'; TMP='/t p'; " + STOP
+    assert stop_script("abc123def456", {"TEMP": "/x"}) == "TEMP=/x; " + STOP
+    assert stop_script("abc123def456", {"NCCL_DEBUG": "INFO"}) == STOP
+
+
 # --- real shells and processes -------------------------------------------------------------------------
+
+
+def test_the_remote_shell_expands_env_file_values_on_the_host_only(tmp_path: Path) -> None:
+    show = "import json, os; print(json.dumps([os.environ[k] for k in ('NCCL_DEBUG', 'LD_LIBRARY_PATH', 'Q')]))"
+    shell = remote_shell(FILE_EXPORTS, str(tmp_path), (sys.executable, "-c", show))
+    env = {"PATH": os.environ["PATH"], "HOME": "/home/u", "LD_LIBRARY_PATH": "/host/lib"}
+    done = subprocess.run(["sh", "-c", shell], env=env, capture_output=True, text=True, timeout=30, check=True)
+    assert json.loads(done.stdout) == ["$HOME", "/opt/nccl/lib:/host/lib", 'a"b\\c`d` e']
 
 
 def test_the_remote_shell_string_gives_the_program_its_exact_arguments_and_variables(tmp_path: Path) -> None:
@@ -354,6 +406,15 @@ def test_the_stop_script_signals_only_this_jobs_agent(tmp_path: Path) -> None:
         assert agent.wait(timeout=10) == -signal.SIGTERM
         (folder / "agent.pid").unlink()  # the agent is gone and removed its file: nothing to do, exit 0
         assert subprocess.run(["sh", "-c", STOP], env=env, timeout=30).returncode == 0
+        # the job exported TMPDIR (a .deepspeed_env line): the agent wrote there, whatever the login shell says
+        agent = _sleeper(tmp_path, "zerospeed.launcher.node")
+        scratch = tmp_path / "scratch"
+        (scratch / "tmp" / folder.name).mkdir(parents=True)
+        (scratch / "tmp" / folder.name / "agent.pid").write_text(str(agent.pid))
+        script = stop_script("abc123def456", ForwardedEnvironment({"TMPDIR": "$SCRATCH/tmp"}, expand={"TMPDIR"}))
+        env = {"PATH": os.environ["PATH"], "TMPDIR": str(tmp_path), "SCRATCH": str(scratch)}
+        assert subprocess.run(["sh", "-c", script], env=env, timeout=30).returncode == 0
+        assert agent.wait(timeout=10) == -signal.SIGTERM
     finally:
         for process in (agent, stranger):
             process.kill()
@@ -381,12 +442,37 @@ def test_forwarded_environment_families_pythonpath_and_files_in_deepspeeds_order
 
 def test_env_file_errors_name_file_and_line() -> None:
     with pytest.raises(LauncherError) as info:
-        parse_env_file("A=1\nexport B=2\n", source="/home/u/.deepspeed_env")
+        parse_env_file("A=1\nexport B C=2\n", source="/home/u/.deepspeed_env")
     assert str(info.value) == (
-        "/home/u/.deepspeed_env:2: expected 'NAME=VALUE' with NAME made of letters, digits and '_' (not starting "
-        "with a digit), got 'export B=2'; fix the line or remove it")
-    with pytest.raises(LauncherError, match=r"^f:1: expected 'NAME=VALUE'"):
-        parse_env_file("NO_EQUALS_SIGN", source="f")
+        "/home/u/.deepspeed_env:2: expected 'NAME=VALUE' (or 'export NAME=VALUE') with NAME made of letters, "
+        "digits and '_' (not starting with a digit), got 'export B C=2'; fix the line or remove it")
+    for garbage in ("NO_EQUALS_SIGN", "export NO_VALUE", "export 1A=2", "exportA B=1", "=1"):
+        with pytest.raises(LauncherError, match=r"^f:1: expected 'NAME=VALUE'"):
+            parse_env_file(garbage, source="f")
+
+
+def test_env_file_lines_take_an_export_prefix_and_one_pair_of_matching_quotes() -> None:
+    text = ("export NCCL_SOCKET_IFNAME=\"eth0\"\nexport\tUCX_TLS = 'rc' \nexport=1\nA=\"x\"y\"\n"
+            "B='$HOME'\nC=\"$HOME\"\nD=\"unmatched'\nE=\"\nF=''\nG=\"a b\"\n")
+    assert parse_env_lines(text, source="f") == (
+        ("NCCL_SOCKET_IFNAME", "eth0", False), ("UCX_TLS", "rc", True), ("export", "1", False),
+        ("A", 'x"y', False), ("B", "$HOME", True), ("C", "$HOME", False), ("D", "\"unmatched'", False),
+        ("E", '"', False), ("F", "", True), ("G", "a b", False))
+    assert parse_env_file("export NCCL_SOCKET_IFNAME='eth0'\n", source="f") == {"NCCL_SOCKET_IFNAME": "eth0"}
+
+
+def test_only_env_file_values_are_marked_for_the_remote_shell_to_expand() -> None:
+    environ = {"NCCL_DEBUG": "INFO", "NCCL_HOME": "/opt/$x", "LD_LIBRARY_PATH": "/host"}
+    files = (("/h/.deepspeed_env", "LD_LIBRARY_PATH=/opt/nccl/lib:$LD_LIBRARY_PATH\nNCCL_DEBUG=WARN\n"
+                                   "LITERAL=\"a\"\nLATER='$y'\n"),
+             ("/w/.deepspeed_env", "export LATER=\"$z\"\nLITERAL='$q'\n"))
+    exports = forwarded_environment(environ, files, cwd="/w")
+    assert isinstance(exports, ForwardedEnvironment)
+    assert dict(exports) == {"NCCL_DEBUG": "WARN", "NCCL_HOME": "/opt/$x", "PYTHONPATH": "/w",
+                             "LD_LIBRARY_PATH": "/opt/nccl/lib:$LD_LIBRARY_PATH", "LITERAL": "$q", "LATER": "$z"}
+    # a file's value replaces a forwarded one (NCCL_DEBUG) and is expanded; the last file decides the quoting
+    assert exports.expand == {"LD_LIBRARY_PATH", "NCCL_DEBUG", "LATER"}
+    assert forwarded_environment(environ, (), cwd="/w").expand == frozenset()
 
 
 def test_env_file_paths_home_then_cwd_and_ds_env_file(tmp_path: Path) -> None:

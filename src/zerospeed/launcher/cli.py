@@ -188,7 +188,7 @@ def _run_multinode(plan: LaunchPlan, runner_options: RunnerOptions, *, environ: 
                              local_environ=environ)
 
     stops = stop_commands(spec, runner, launcher_args=args, ssh_port=port, executable=executable,
-                          local_environ=environ)
+                          local_environ=environ, exports=exports)
 
     from zerospeed.launcher.multinode import run_job
 

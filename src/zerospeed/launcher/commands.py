@@ -18,7 +18,10 @@ runs them. How each runner tells the agent which host it is on (its node rank):
   the agent reads ``PMI_RANK``.
 - ``slurm``: ``srun --nodes=N --ntasks=N --ntasks-per-node=1 --nodelist=h0,h1`` running
   ``sh -c 'exec ... --node_host="$SLURMD_NODENAME"'``: Slurm numbers ``SLURM_NODEID`` in its own node
-  order, not the hostfile's, so the agent looks its Slurm node name up in the job's hosts instead.
+  order, not the hostfile's, so the agent looks its Slurm node name up in the job's hosts instead. The
+  hostfile must therefore name the hosts exactly as Slurm does (``sinfo -N -h -o %N``, the short node
+  names): a host written as an FQDN or an IP address while Slurm says ``node01`` is not found by its
+  agent, which stops before any rank starts.
 - ``no_ssh``: nothing; the user runs ``zerospeed --no_ssh --node_rank=k`` on every host.
 
 Elastic training runs only under pdsh, ssh and ``--no_ssh`` (:func:`check_elastic_launcher`): one
@@ -30,8 +33,11 @@ the job through ``srun`` itself. ssh (directly, or pdsh's through ``PDSH_SSH_ARG
 with :data:`SSH_OPTIONS`.
 
 The remote shell string (pdsh, ssh) has DeepSpeed's shape: ``export K=V; ...`` for the forwarded
-variables (:mod:`zerospeed.launcher.environment`), ``cd <launch folder>``, then the agent. Open MPI gets
-the variables as ``-x K=V``, MPICH as ``-genv K V``, Slurm as ``--export=ALL,K=V``. ``--launcher_args``
+variables (:mod:`zerospeed.launcher.environment`), ``cd <launch folder>``, then the agent; as in
+DeepSpeed, the remote shell expands ``$VAR`` in the ``.deepspeed_env`` values (see :func:`remote_shell`).
+Open MPI gets the variables as ``-x K=V``, MPICH as ``-genv K V``, Slurm as ``--export=ALL,K=V``: no
+shell reads those, so every value arrives literally (DeepSpeed passes them the same way; a ``$VAR`` in
+``.deepspeed_env`` is not expanded under these runners). ``--launcher_args``
 go where DeepSpeed puts them: after pdsh's host list, before Open MPI's and MPICH's exports (as global
 options), after srun's node options; for ssh, before the host.
 
@@ -42,11 +48,13 @@ by a name pattern, so another job's processes are never touched.
 
 from __future__ import annotations
 
+import re
 import shlex
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from zerospeed.launcher.environment import ForwardedEnvironment
 from zerospeed.launcher.errors import LauncherError
 from zerospeed.launcher.job import JobSpec
 
@@ -59,6 +67,7 @@ __all__ = [
     "PROBE_SSH_OPTIONS",
     "RUNNERS",
     "SSH_OPTIONS",
+    "TEMP_VARIABLES",
     "RemoteLaunch",
     "agent_pid_file",
     "check_elastic_launcher",
@@ -96,6 +105,8 @@ _ONE_PROCESS_FOR_ALL = {"openmpi": "Open MPI's mpirun", "mpich": "MPICH's mpirun
 _DEFAULT_EXECUTABLES = {"pdsh": "pdsh", "ssh": "ssh", "openmpi": "mpirun", "mpich": "mpirun", "slurm": "srun"}
 # Binaries that name one MPI for sure (Debian installs both MPIs and points ``mpirun`` at one of them).
 _EXPLICIT_EXECUTABLES = {"openmpi": ("mpirun.openmpi",), "mpich": ("mpirun.mpich", "mpiexec.hydra")}
+#: The variables Python's :func:`tempfile.gettempdir` reads, in its order: the agent's pid file lies there.
+TEMP_VARIABLES = ("TMPDIR", "TEMP", "TMP")
 _INSTALL_HINTS = {"pdsh": "pdsh", "ssh": "openssh-client", "openmpi": "openmpi-bin", "mpich": "mpich",
                   "slurm": "slurm-client"}
 
@@ -235,15 +246,18 @@ def stop_commands(
     ssh_port: int | None,
     executable: str | None = None,
     local_environ: Mapping[str, str] | None = None,
+    exports: Mapping[str, str] | None = None,
 ) -> tuple[RemoteLaunch, ...]:
     """The processes that stop THIS job on every host: ``kill -TERM`` of the PID in the agent's pid file
     (:func:`stop_script`), run through ``runner``. For the MPI runners and Slurm the first thing to try is
     a signal to the local ``mpirun``/``srun`` (they forward it); these commands are for what survives it.
+    ``exports`` are the job's (as given to :func:`launches`): a ``TMPDIR``, ``TEMP`` or ``TMP`` among them
+    moved the agent's pid file, and the stop script looks where the agent wrote it.
     ``no_ssh`` has nothing to stop remotely."""
     _check_runner(runner, allow_no_ssh=True)
     if runner == "no_ssh":
         return ()
-    script = stop_script(spec.job_id)
+    script = stop_script(spec.job_id, exports, shell_expands=runner in ("pdsh", "ssh"))
     hosts = spec.hosts
     program = executable or _DEFAULT_EXECUTABLES[runner]
     extra = tuple(launcher_args)
@@ -277,22 +291,36 @@ def agent_pid_file(job_id: str) -> str:
     return f'"${{TMPDIR:-${{TEMP:-${{TMP:-/tmp}}}}}}/zerospeed-job-{job_id}-$(uname -n)"-n*/agent.pid'
 
 
-def stop_script(job_id: str) -> str:
+def stop_script(job_id: str, exports: Mapping[str, str] | None = None, *, shell_expands: bool = True) -> str:
     """A ``sh`` script that sends SIGTERM to this job's agent(s) on one host, if they still run there.
 
     The PID comes from the agent's own pid file; the process must still be a node agent (its command line
     names :data:`NODE_MODULE`), so a PID recycled after an agent died unclean is left alone. Exits 0 when
-    there is nothing to stop."""
+    there is nothing to stop. The agent found its temporary folder in the job's environment (the login
+    shell's plus ``exports``), not in the login shell's alone: the script first sets the
+    :data:`TEMP_VARIABLES` that ``exports`` holds, quoted as the agent's launch quoted them
+    (``shell_expands``: pdsh and ssh expand ``.deepspeed_env`` values, see :func:`remote_shell`; the MPI
+    runners and Slurm pass them literally)."""
     pid_file = agent_pid_file(job_id)
-    return (f"for f in {pid_file}; do p=$(cat \"$f\" 2>/dev/null) && grep -qa {NODE_MODULE} "
+    temp = "".join(f"{name}={_export_value(name, exports, shell_expands=shell_expands)}; "
+                   for name in TEMP_VARIABLES if exports and name in exports)
+    return (f"{temp}for f in {pid_file}; do p=$(cat \"$f\" 2>/dev/null) && grep -qa {NODE_MODULE} "
             "\"/proc/$p/cmdline\" 2>/dev/null && kill -TERM \"$p\"; done; exit 0")
 
 
 def remote_shell(exports: Mapping[str, str], cwd: str, argv: Sequence[str]) -> str:
     """DeepSpeed's remote command for pdsh and ssh: ``export K=V; ... cd <cwd> && exec <argv>``, every word
     quoted for a POSIX shell. ``&&`` (DeepSpeed writes ``;``) so an agent never starts in the wrong
-    folder; ``exec`` so the agent is the process ssh started (its stdin, its signals)."""
-    parts = [f"export {_checked_name(name)}={shlex.quote(value)};" for name, value in exports.items()]
+    folder; ``exec`` so the agent is the process ssh started (its stdin, its signals).
+
+    The values a :class:`~zerospeed.launcher.environment.ForwardedEnvironment` names in ``expand`` (the
+    ``.deepspeed_env`` values) go in double quotes with only ``"``, ``\\`` and backquotes escaped, so the
+    host's shell expands ``$VAR``, ``${VAR}`` and ``$(...)`` there, as DeepSpeed's pdsh command does
+    (``LD_LIBRARY_PATH=/opt/nccl/lib:$LD_LIBRARY_PATH`` extends the host's own path). A literal ``$`` is
+    written in single quotes in the file (``K='a$b'``), which makes the value literal. Every other value
+    (the launching shell's variables, already expanded there) is single-quoted: it arrives as it was."""
+    parts = [f"export {_checked_name(name)}={_export_value(name, exports, shell_expands=True)};"
+             for name in exports]
     parts.append(f"cd {shlex.quote(cwd)} &&")
     parts.append("exec " + shlex.join(argv))
     return " ".join(parts)
@@ -371,6 +399,16 @@ def _checked_name(name: str) -> str:
             and name.isascii()):
         raise LauncherError(f"cannot export variable {name!r} to the hosts: not a shell variable name")
     return name
+
+
+def _export_value(name: str, exports: Mapping[str, str], *, shell_expands: bool) -> str:
+    """``exports[name]`` as shell text: in double quotes (``"``, ``\\`` and backquotes escaped) for the
+    shell to expand when ``shell_expands`` and ``exports`` marks it (:func:`remote_shell`), else quoted
+    to arrive literally."""
+    value = exports[name]
+    if shell_expands and isinstance(exports, ForwardedEnvironment) and name in exports.expand:
+        return '"' + re.sub(r'(["\\`])', r"\\\1", value) + '"'
+    return shlex.quote(value)
 
 
 def _check_job_id(job_id: str) -> None:

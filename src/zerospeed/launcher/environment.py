@@ -10,11 +10,15 @@ export, so the script's own modules import on every host. zerospeed forwards the
 
 The decision is a pure function of the environment and the file texts (:func:`forwarded_environment`),
 so it is unit-tested without processes; :func:`env_file_paths` and :func:`read_env_files` are the thin
-I/O around it. Differences from DeepSpeed, on purpose: blank and ``#`` lines are skipped and a line that
-is not ``NAME=VALUE`` is an error naming ``file:line`` (DeepSpeed dies with a bare ``ValueError``), and
-values are passed on literally (DeepSpeed wraps values with shell characters in ``"..."``, which breaks
-values holding a quote; our commands quote with :func:`shlex.quote`). DeepSpeed's Nebula/AzureML names
-are not forwarded: zerospeed has no Nebula checkpoint service.
+I/O around it. The file's values are shell text as in DeepSpeed: under pdsh and ssh the remote shell
+expands ``$VAR`` in them on each host (``LD_LIBRARY_PATH=/opt/nccl/lib:$LD_LIBRARY_PATH``), so
+:func:`forwarded_environment` returns a :class:`ForwardedEnvironment` that names them (``expand``); the
+launching shell's own values are already expanded and are passed on literally. Differences from DeepSpeed,
+on purpose: blank and ``#`` lines are skipped, an ``export `` before the name is allowed, one pair of
+matching quotes around a value is removed (``"eth0"`` or ``'eth0'`` is ``eth0``; a value in single quotes
+is literal, never expanded, as in a shell), and a line that is not ``NAME=VALUE`` is an error naming
+``file:line`` (DeepSpeed dies with a bare ``ValueError``, or exports a variable named ``export NAME``).
+DeepSpeed's Nebula/AzureML names are not forwarded: zerospeed has no Nebula checkpoint service.
 """
 
 from __future__ import annotations
@@ -32,10 +36,12 @@ __all__ = [
     "EXCLUDE_ENVS",
     "EXPORT_ENVS",
     "FORWARDED_FAMILIES",
+    "ForwardedEnvironment",
     "env_file_name",
     "env_file_paths",
     "forwarded_environment",
     "parse_env_file",
+    "parse_env_lines",
     "read_env_files",
 ]
 
@@ -51,6 +57,20 @@ DEEPSPEED_ENV_FILE_DEFAULT = ".deepspeed_env"
 
 # A name a POSIX shell can ``export`` (and Open MPI, MPICH and Slurm can pass).
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# ``export`` before the name of an environment file's line, as a shell script would write it.
+_EXPORT_PREFIX = re.compile(r"export\s+")
+
+
+class ForwardedEnvironment(dict[str, str]):
+    """The variables every host gets (a plain ``dict``: name -> value, in export order), plus ``expand``:
+    the names whose value is shell text for the remote shell to expand (``$VAR``) on each host, as
+    DeepSpeed's pdsh command does — the environment files' values, except those written in single
+    quotes. The other values (the launching shell's, already expanded there) are literal. Copying it into
+    a plain ``dict`` drops ``expand``: every value is then literal."""
+
+    def __init__(self, values: Mapping[str, str] | None = None, *, expand: Iterable[str] = ()) -> None:
+        super().__init__(values or {})
+        self.expand: frozenset[str] = frozenset(expand)
 
 
 def env_file_name(environ: Mapping[str, str]) -> str:
@@ -89,22 +109,34 @@ def read_env_files(paths: Iterable[str]) -> tuple[tuple[str, str], ...]:
 
 
 def parse_env_file(text: str, *, source: str) -> dict[str, str]:
-    """``NAME=VALUE`` lines in file order; name and value are stripped of surrounding blanks (as DeepSpeed
-    does), the value is otherwise literal (quotes included). Blank lines and ``#`` comments are skipped."""
-    variables: dict[str, str] = {}
+    """``NAME=VALUE`` lines in file order (see :func:`parse_env_lines`), as a mapping."""
+    return {name: value for name, value, _ in parse_env_lines(text, source=source)}
+
+
+def parse_env_lines(text: str, *, source: str) -> tuple[tuple[str, str, bool], ...]:
+    """``(name, value, literal)`` of each ``[export ]NAME=VALUE`` line in file order. Name and value are
+    stripped of surrounding blanks (as DeepSpeed does); one pair of matching quotes around the value is
+    removed (``"eth0"``, ``'eth0'`` -> ``eth0``), and ``literal`` is true for a single-quoted value (a
+    shell would not expand it). The value is otherwise kept as written, for the remote shell. Blank lines
+    and ``#`` comments are skipped; anything else is an error naming ``source:line``."""
+    lines: list[tuple[str, str, bool]] = []
     for lineno, raw in enumerate(text.splitlines(), start=1):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
-        name, sep, value = line.partition("=")
+        prefix = _EXPORT_PREFIX.match(line)
+        name, sep, value = line[prefix.end() if prefix else 0:].partition("=")
         name = name.strip()
         if not sep or not _NAME.fullmatch(name):
             raise LauncherError(
-                f"{source}:{lineno}: expected 'NAME=VALUE' with NAME made of letters, digits and '_' (not "
-                f"starting with a digit), got {raw.strip()!r}; fix the line or remove it"
+                f"{source}:{lineno}: expected 'NAME=VALUE' (or 'export NAME=VALUE') with NAME made of "
+                f"letters, digits and '_' (not starting with a digit), got {raw.strip()!r}; fix the line or "
+                "remove it"
             )
-        variables[name] = value.strip()
-    return variables
+        value = value.strip()
+        quoted = len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'"
+        lines.append((name, value[1:-1] if quoted else value, quoted and value[0] == "'"))
+    return tuple(lines)
 
 
 def forwarded_environment(
@@ -113,11 +145,13 @@ def forwarded_environment(
     *,
     cwd: str,
     families: Sequence[str] = FORWARDED_FAMILIES,
-) -> dict[str, str]:
+) -> ForwardedEnvironment:
     """The variables every host of the job gets, in DeepSpeed's order: the launching environment's
     variables of the forwarded ``families`` (in ``environ``'s order, ``PYTHONPATH`` with ``cwd`` put
     first), then each environment file's lines in reading order (a later value replaces an earlier one in
-    place). ``env_files`` are ``(path, text)`` pairs, as :func:`read_env_files` gives them.
+    place). ``env_files`` are ``(path, text)`` pairs, as :func:`read_env_files` gives them. The result's
+    ``expand`` names the values the remote shell expands: those the files' last word on a name gave,
+    unless single-quoted (:class:`ForwardedEnvironment`).
     """
     source = dict(environ)
     source["PYTHONPATH"] = cwd + (":" + environ["PYTHONPATH"] if environ.get("PYTHONPATH") else "")
@@ -128,6 +162,12 @@ def forwarded_environment(
             continue  # a name no shell could export (or one each AISC node sets itself)
         if any(name.startswith(family) for family in families):
             exported[name] = value
+    expand: set[str] = set()
     for path, text in env_files:
-        exported.update(parse_env_file(text, source=path))
-    return exported
+        for name, value, literal in parse_env_lines(text, source=path):
+            exported[name] = value
+            if literal:
+                expand.discard(name)
+            else:
+                expand.add(name)
+    return ForwardedEnvironment(exported, expand=expand)
