@@ -491,3 +491,17 @@ def test_commands_import_without_torch() -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_an_srun_node_missing_from_the_hostfile_is_told_to_use_slurms_node_names() -> None:
+    from zerospeed.launcher.job import node_rank_of
+
+    spec = JobSpec("j", (("n1.cluster", (0,)), ("n2.cluster", (0,))), "n1.cluster", 29500, Program("t.py"))
+    with pytest.raises(LauncherError) as info:
+        node_rank_of(spec, host="n1", environ={"SLURMD_NODENAME": "n1"})
+    assert str(info.value) == (
+        "host 'n1' (this node's SLURMD_NODENAME) is not in this job's hosts (n1.cluster, n2.cluster); under "
+        "--launcher slurm the hostfile must name each host exactly as Slurm does (the short node names of "
+        "'sinfo -N -h -o %N'), not an FQDN or IP address")
+    with pytest.raises(LauncherError, match=r"^host 'n3' is not in this job's hosts \(n1.cluster, n2.cluster\)$"):
+        node_rank_of(spec, host="n3", environ={})

@@ -177,7 +177,10 @@ def node_rank_of(spec: JobSpec, *, explicit: int | None = None, host: str | None
         rank, source = explicit, f"--node_rank {explicit}"
     elif host is not None:
         if host not in spec.hosts:
-            raise LauncherError(f"host {host!r} is not in this job's hosts ({', '.join(spec.hosts)})")
+            slurm = " (this node's SLURMD_NODENAME)" if environ.get("SLURMD_NODENAME") == host else ""
+            hint = ("; under --launcher slurm the hostfile must name each host exactly as Slurm does (the short "
+                    "node names of 'sinfo -N -h -o %N'), not an FQDN or IP address") if slurm else ""
+            raise LauncherError(f"host {host!r}{slurm} is not in this job's hosts ({', '.join(spec.hosts)}){hint}")
         return spec.hosts.index(host)
     else:
         for name in RUNNER_NODE_RANK_VARIABLES:
