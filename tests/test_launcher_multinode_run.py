@@ -420,6 +420,197 @@ def test_elastic_refuses_a_launch_that_reaches_several_hosts(folder: Path) -> No
 
 
 
+# --- review fixes: the runner's death, signals, elastic re-joins, stop commands ------------------------
+
+# Runs run_job in its own process (so the test can SIGKILL or SIGHUP it) with launches that never read
+# their stdin, like mpirun/srun agents (no --watch_stdin) or pdsh (which does not pass stdin on).
+DEATH_DRIVER = textwrap.dedent(
+    r'''
+    import sys
+    from dataclasses import dataclass, field
+    from zerospeed.launcher.job import JobSpec
+    from zerospeed.launcher.multinode import run_job
+    from zerospeed.launcher.plan import Program
+
+    @dataclass(frozen=True)
+    class Launch:
+        argv: tuple
+        hosts: tuple
+        env: dict = field(default_factory=dict)
+
+    folder = sys.argv[1]
+    hang = ("import os, signal, sys, time; open(os.path.join(sys.argv[1], sys.argv[2] + '.pid'), 'w')"
+            ".write(str(os.getpid())); time.sleep(60)")
+    hosts = ("h0", "h1")
+    spec = JobSpec(job_id="t", world=tuple((h, (0,)) for h in hosts), master_addr="10.255.255.1",
+                   master_port=29999, program=Program(script="train.py"))
+    sys.exit(run_job(spec, runner="openmpi", no_ssh_check=True, stop_grace_s=2.0,
+                     launches=[Launch((sys.executable, "-c", hang, folder, h), (h,)) for h in hosts]))
+    '''
+)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGHUP])
+def test_the_launch_processes_do_not_outlive_the_runner(folder: Path, sig: signal.Signals) -> None:
+    """SIGKILL (OOM, kill -9): each launch process gets SIGTERM from the kernel (PR_SET_PDEATHSIG), as
+    pdsh/mpirun/srun/ssh then stop their own children. SIGHUP (the terminal closed) stops the job like
+    Ctrl-C: exit 129, naming the signal."""
+    (folder / "driver.py").write_text(DEATH_DRIVER)
+    runner = subprocess.Popen([PY, str(folder / "driver.py"), str(folder)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 20
+        while not all(_pids(folder, h) for h in ("h0", "h1")):
+            assert runner.poll() is None, runner.communicate()
+            assert time.monotonic() < deadline, "the launches did not start in 20 s"
+            time.sleep(0.02)
+        pids = [p for h in ("h0", "h1") for p in _pids(folder, h)]
+        runner.send_signal(sig)
+        _, err = runner.communicate(timeout=STOP_BOUND_S)
+        if sig == signal.SIGHUP:
+            assert runner.returncode == 129, err
+            assert "zerospeed: stopped by SIGHUP; stopping this job's processes on every host" in err
+        deadline = time.monotonic() + 5
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not [p for p in pids if _alive(p)], "launch processes outlived the runner"
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+            runner.communicate()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_elastic_a_rejoined_agent_that_fails_counts_as_lost_again_up_to_max_restarts(folder: Path) -> None:
+    # h1's first agent is lost (255); the re-joined one exits 2 (a stale agent from a healed partition
+    # holds its rendezvous slot): lost again, probed, and then left out (max_restarts=1), not a failure.
+    left_out = folder / "h1-second-run"
+    h1 = Launch((PY, "-c", f"import os, sys; p = {str(folder / 'h1-runs')!r}; "
+                 "n = len(open(p).read()) if os.path.exists(p) else 0; open(p, 'a').write('x'); "
+                 f"n and open({str(left_out)!r}, 'w'); sys.exit(255 if n == 0 else 2)"), ("h1",))
+    h0 = Launch((PY, "-c", f"import os, time\nwhile not os.path.exists({str(left_out)!r}): time.sleep(0.05)\n"
+                 "time.sleep(1.5)"), ("h0",))
+    probe = Launch((PY, "-c", "0"), ("h1",))
+    spec = _spec(("h0", "h1"), elastic=ElasticSpec(min_nodes=1, max_nodes=2, max_restarts=1))
+    code, _, err, log, took = _run(spec, [h0, h1], no_ssh_check=True, probe=lambda host: probe,
+                                   probe_interval_s=0.1, stop_grace_s=2.0)
+    assert code == 0, log + err
+    assert len(re.findall(r"zerospeed: host h1 lost at", log)) == 2, log
+    assert "host h1 lost at" in log and "(exit code 2); continuing on 1 host(s)" in log
+    assert ("zerospeed: host h1 answers again but was already restarted 1 time(s) (max_restarts); "
+            "leaving it out\n") in log
+    assert (folder / "h1-runs").read_text() == "xx" and took < STOP_BOUND_S
+
+
+def test_elastic_losing_host_0_fails_fast_naming_the_rendezvous(folder: Path) -> None:
+    h1 = Launch((PY, "-c", "import time; time.sleep(5)"), ("h1",))  # would end the job with 0 in 5 s
+    launches = [_agent(folder, "h0", 0, "exit255"), h1]
+    spec = _spec(("h0", "h1"), elastic=ElasticSpec(min_nodes=1, max_nodes=2))
+    code, _, _, log, took = _run(spec, launches, no_ssh_check=True, stop_grace_s=2.0,
+                                 probe=lambda host: Launch((PY, "-c", "0"), (host,)))
+    assert code == 255
+    assert ("zerospeed: host h0 lost (exit code 255 (ssh lost the host: it went down, its sshd or the agent "
+            "was killed, or the network failed)): it keeps the elastic rendezvous (10.255.255.1:29999); the "
+            "job cannot go on without it\n") in log
+    assert "continuing on" not in log and took < 4
+
+
+PREFLIGHT_HANG = ("import os, signal, sys, time; {ignore}open({pid!r}, 'w').write(str(os.getpid())); "
+                  "time.sleep(30)")
+
+
+def _signal_when(path: Path, *signals: signal.Signals, gap_s: float = 0.3) -> None:
+    def send() -> None:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not path.exists():
+            time.sleep(0.02)
+        time.sleep(0.1)
+        for sig in signals:
+            os.kill(os.getpid(), sig)
+            time.sleep(gap_s)
+
+    threading.Thread(target=send, daemon=True).start()
+
+
+@pytest.mark.parametrize("sig, expected", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_during_preflight_stops_its_commands_and_exits_with_the_signal_code(
+        folder: Path, sig: signal.Signals, expected: int) -> None:
+    pid_file = folder / "preflight.pid"
+    started = folder / "started"
+    preflight = [Launch((PY, "-c", PREFLIGHT_HANG.format(ignore="", pid=str(pid_file))), ("h0",))]
+    _signal_when(pid_file, sig)
+    code, _, _, log, took = _run(_spec(("h0",)), [Launch((PY, "-c", f"open({str(started)!r}, 'w')"), ("h0",))],
+                                 preflight=preflight, preflight_timeout_s=20.0, stop_grace_s=2.0)
+    assert code == expected
+    assert f"zerospeed: stopped by {sig.name} during pre-flight; no rank was started\n" in log
+    assert took < 5 and not started.exists()
+    assert not _alive(int(pid_file.read_text()))
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_second_signal_skips_the_grace_in_preflight_and_while_stopping(folder: Path) -> None:
+    pid_file = folder / "preflight.pid"
+    ignore = "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    preflight = [Launch((PY, "-c", PREFLIGHT_HANG.format(ignore=ignore, pid=str(pid_file))), ("h0",))]
+    _signal_when(pid_file, signal.SIGINT, signal.SIGINT)
+    code, _, _, log, took = _run(_spec(("h0",)), [_agent(folder, "h0", 0, "ok")], preflight=preflight,
+                                 preflight_timeout_s=20.0, stop_grace_s=10.0)
+    assert code == 130, log
+    assert took < 1.9, took  # the second Ctrl-C came ~0.4 s in; pre-flight's own grace is 2 s
+    assert not _alive(int(pid_file.read_text()))
+    # The same while the job runs: an agent that ignores SIGTERM is killed at the second Ctrl-C.
+    _signal_when(folder / "h0.pid", signal.SIGINT, signal.SIGINT)
+    code, _, _, log, took = _run(_spec(("h0",)), [_agent(folder, "h0", 0, "ignore_term")], no_ssh_check=True,
+                                 stop_grace_s=10.0)
+    assert code == 130 and took < 5, log
+    assert "zerospeed: stopped again by SIGINT; killing this job's processes now\n" in log
+    assert not any(_alive(p) for p in _pids(folder, "h0"))
+
+
+def test_a_closed_log_stream_does_not_keep_the_stop_commands_from_running(folder: Path) -> None:
+    # `zerospeed ... 2>&1 | head`: our stderr is a closed pipe once head has exited.
+    marker = folder / "stopped"
+    stop = [Launch((PY, "-c", f"open({str(marker)!r}, 'a').write('{h}\\n')"), (h,)) for h in ("h0", "h1")]
+    log = io.StringIO()
+    log.close()
+    code = run_job(_spec(("h0", "h1")), runner="ssh", no_ssh_check=True, stop=stop, stop_grace_s=2.0,
+                   launches=[_agent(folder, "h0", 0, "hang"), _agent(folder, "h1", 1, "exit3")],
+                   log=log, out=io.StringIO(), err=io.StringIO())
+    assert code == 3
+    assert sorted(marker.read_text().split()) == ["h0", "h1"]
+    assert not any(_alive(p) for p in _pids(folder, "h0"))
+
+
+def test_a_stop_command_that_cannot_start_does_not_shift_the_hosts_of_the_others(folder: Path) -> None:
+    stop = [Launch((str(folder / "no-such-ssh"), "h0", "kill"), ("h0",)),
+            Launch((PY, "-c", "print('stopped agent 123')"), ("h1",))]
+    code, _, _, log, _ = _run(_spec(("h0", "h1")), [_agent(folder, "h0", 0, "exit3")], stop=stop,
+                              no_ssh_check=True, stop_grace_s=2.0)
+    assert code == 3
+    assert f"zerospeed: cannot start {str(folder / 'no-such-ssh')!r} for host(s) h0: " in log
+    assert "zerospeed: stop on h1: stopped agent 123\n" in log and "stop on h0" not in log
+
+
+def test_preflight_blames_a_missing_interpreter_or_launch_folder_not_ssh(folder: Path) -> None:
+    preflight = [Launch((PY, "-c", "import sys; print('bash: line 1: /venv/bin/python: No such file or directory', "
+                                   "file=sys.stderr); sys.exit(127)"), ("h0",)),
+                 Launch((PY, "-c", "import sys; print('sh: 1: cd: can\\'t cd to /work/job', file=sys.stderr); "
+                                   "sys.exit(2)"), ("h1",))]
+    with pytest.raises(PreflightError) as raised:
+        _run(_spec(("h0", "h1")), [_agent(folder, "h0", 0, "ok")], preflight=preflight)
+    message = str(raised.value)
+    same_path = (f"the Python interpreter {sys.executable} and the launch folder {os.getcwd()} must exist at "
+                 "the same paths on every host (a shared file system, or the same virtual environment path)")
+    assert ("  - host h0 did not answer over ssh: the command exited with code 127 (it said: bash: line 1: "
+            f"/venv/bin/python: No such file or directory): {same_path}\n") in message
+    assert ("  - host h1 did not answer over ssh: the command exited with code 2 (it said: sh: 1: cd: can't cd "
+            f"to /work/job): {same_path}\n") in message
+    assert "ssh h0 true" not in message
+
+
 # --- a real two-host job on the namespace test cluster ----------------------------------------------
 
 TRAIN = textwrap.dedent(

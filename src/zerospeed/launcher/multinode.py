@@ -14,7 +14,9 @@ this job on every host. This module runs them, in four steps:
 2. **Launch**: every ``RemoteLaunch`` becomes a child in its own session (so the terminal's Ctrl-C
    reaches only us, and we can signal each one's whole process group), with a stdin pipe that we keep
    open: the agents run with ``--watch_stdin``, so if this process dies (even by SIGKILL) the pipe
-   closes, ssh passes the EOF on, and every remote agent stops its workers. Their stdout and stderr
+   closes, ssh passes the EOF on, and every remote agent stops its workers; each child is also set to
+   get SIGTERM from the kernel when we die (PR_SET_PDEATHSIG), since pdsh does not pass stdin on and
+   mpirun's/srun's agents do not watch it: they stop their children on SIGTERM. Their stdout and stderr
    are copied to ours one whole line at a time under one lock (two hosts never splice a line). The
    agents already prefix each worker line with ``[<host> rank <r>]``; pdsh adds its own ``<host>: ``
    in front, which we drop when the agent's prefix follows (it says the same) and keep otherwise
@@ -29,8 +31,10 @@ this job on every host. This module runs them, in four steps:
    and the first error line seen from it (a small ring of recent lines is kept per host to quote).
    A lost host breaks the collectives of every other host a moment later, so exits within half a
    second of the first are gathered and a *lost* host (ssh's 255, a signal) is named before hosts
-   whose ranks merely failed, which are listed after it. Ctrl-C and SIGTERM stop exactly this job
-   the same way and exit 130 / 143.
+   whose ranks merely failed, which are listed after it. Ctrl-C, SIGTERM and SIGHUP (also during
+   pre-flight) stop exactly this job the same way and exit 130 / 143 / 129; a second one skips the
+   grace and kills at once. Losing host 0 of an elastic job fails it at once (its agent keeps the
+   rendezvous).
 4. **Elastic** (``spec.elastic``): a host's launch ending is not a failure while at least
    ``min_nodes`` hosts remain: we log the loss and probe the host every few seconds (a short ssh
    command); once it answers we start its agent again, which re-joins the c10d rendezvous so torch's
@@ -44,6 +48,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import errno
 import json
 import os
@@ -90,6 +95,16 @@ _PROBE_TIMEOUT_S = 5.0
 # killed by a signal.
 _SSH_ERROR = 255
 
+# Linux's prctl(2), resolved once here: the child's pre-exec hook must not load libraries or allocate much
+# (it runs between fork and exec while other threads of ours may hold locks). None elsewhere.
+_PR_SET_PDEATHSIG = 1
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+_SIGTERM = int(signal.SIGTERM)
+# The signals that stop the job like Ctrl-C: SIGHUP is the terminal (or the ssh session) we run in closing.
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# Pre-flight commands stopped by a signal get this long after SIGTERM before SIGKILL.
+_PREFLIGHT_STOP_GRACE_S = 2.0
+
 _PDSH_EXIT = re.compile(r"^pdsh@[^:\s]+: (?P<host>[^:\s]+): \S+ exited with exit code (?P<code>\d+)")
 _PDSH_PREFIX = re.compile(r"^(?P<host>[^:\s\[]+): (?P<rest>.*)$", re.DOTALL)
 _AGENT_PREFIX = re.compile(r"^\[(?P<host>[^\s\]]+) rank (?P<rank>\d+)\]")
@@ -103,6 +118,8 @@ _STRONG_ERROR = re.compile(
     r"Connection (?:closed|reset|refused)|Permission denied|Could not resolve|ABORT"
 )
 _WEAK_ERROR = re.compile(r"Traceback|Error\b|Exception\b|Killed|failed")
+# What a remote shell says when the interpreter or the launch folder is not there.
+_MISSING_PATH = re.compile(r"No such file|can't cd|can not cd|cannot cd")
 
 
 class PreflightError(LauncherError):
@@ -159,8 +176,9 @@ def run_job(
     the master port); ``probe`` gives, for a host, a short command that exits 0 when the host is reachable (elastic only; the
     default is a plain ``ssh``). Pre-flight problems raise :class:`PreflightError` before anything
     starts. Returns 0 when every launch ended with 0; the failed launch's code (or 1) on failure;
-    130 / 143 after SIGINT / SIGTERM. Must be called from the main thread when it should handle
-    those signals (elsewhere they are left to the caller).
+    130 / 143 / 129 after SIGINT / SIGTERM / SIGHUP. Must be called from the main thread when it
+    should handle those signals (elsewhere they are left to the caller). Every child is started from
+    the calling thread, and gets SIGTERM when that thread ends (PR_SET_PDEATHSIG).
     """
     log = sys.stderr if log is None else log
     out = sys.stdout if out is None else out
@@ -175,12 +193,16 @@ def run_job(
                 f"{' '.join(shared[0].argv[:3])} ... reaches {len(shared[0].hosts)} hosts; use "
                 "--launcher ssh or pdsh (run as one pdsh -w <host> per host)"
             )
-    if not no_ssh_check and (callable(preflight) or preflight):
-        run_preflight(spec, runner=runner, preflight=preflight, timeout_s=preflight_timeout_s,
-                      log=log)
-    job = _Job(spec, runner=runner, stop=stop, probe=probe, log=log, out=out, err=err,
-               stop_grace_s=stop_grace_s, probe_interval_s=probe_interval_s)
     with _signals_caught() as caught:
+        if not no_ssh_check and (callable(preflight) or preflight):
+            try:
+                run_preflight(spec, runner=runner, preflight=preflight, timeout_s=preflight_timeout_s,
+                              log=log, caught=caught)
+            except _Interrupted as stopped:
+                _say(log, f"stopped by {stopped.signal.name} during pre-flight; no rank was started")
+                return 128 + int(stopped.signal)
+        job = _Job(spec, runner=runner, stop=stop, probe=probe, log=log, out=out, err=err,
+                   stop_grace_s=stop_grace_s, probe_interval_s=probe_interval_s)
         return job.run(launches, caught)
 
 
@@ -189,11 +211,13 @@ def run_job(
 
 
 def run_preflight(spec: JobSpec, *, runner: str, preflight: Preflight, timeout_s: float,
-                  log: TextIO) -> None:
+                  log: TextIO, caught: _Caught | None = None) -> None:
     """Run the pre-flight command on every host; raise :class:`PreflightError` listing every problem.
 
     While the commands run, this process listens on the master port when the master host is this
-    machine (each host's pre-flight connects to it with a short timeout).
+    machine (each host's pre-flight connects to it with a short timeout). With ``caught`` (run_job's
+    signal handling), a SIGINT/SIGTERM/SIGHUP stops the commands (they lead their own sessions, so
+    nothing else would) and raises ``_Interrupted``.
     """
     problems: list[str] = []
     with _master_listener(spec) as listening:
@@ -203,7 +227,7 @@ def run_preflight(spec: JobSpec, *, runner: str, preflight: Preflight, timeout_s
                 "already in use here; pass another --master_port or stop the process using it"
             )
         commands = preflight(bool(listening)) if callable(preflight) else preflight
-        results = _run_collecting(commands, timeout_s=timeout_s)
+        results = _run_collecting(commands, timeout_s=timeout_s, caught=caught)
     answers: dict[str, dict[str, object]] = {}
     for result in results:
         for host, line in result.lines:
@@ -232,7 +256,7 @@ def run_preflight(spec: JobSpec, *, runner: str, preflight: Preflight, timeout_s
             + "\n".join(f"  - {p}" for p in problems)
             + "\n(pass --no_ssh_check to skip these checks)"
         )
-    print(f"zerospeed: pre-flight passed on {len(answers)} host(s) through {runner}", file=log)
+    _say(log, f"pre-flight passed on {len(answers)} host(s) through {runner}")
 
 
 def _compare(answers: Mapping[str, Mapping[str, object]], spec: JobSpec) -> list[str]:
@@ -251,6 +275,11 @@ def _unreachable(host: str, result: _Collected, runner: str, timeout_s: float) -
     tail = f" (it said: {said[-1].strip()[:200]})" if said else ""
     if result.timed_out:
         return f"host {host} did not answer within {timeout_s:g} s {how}{tail}: {fix}"
+    if result.returncode in (126, 127) or any(_MISSING_PATH.search(line) for line in said):
+        # ssh got through; the remote shell could not run the interpreter or cd into the folder.
+        fix = (f"the Python interpreter {sys.executable} and the launch folder {os.getcwd()} must exist "
+               "at the same paths on every host (a shared file system, or the same virtual environment "
+               "path)")
     return (f"host {host} did not answer {how}: the command exited with code {result.returncode}"
             f"{tail}: {fix}")
 
@@ -336,8 +365,11 @@ class _Collected:
     timed_out: bool
 
 
-def _run_collecting(launches: Sequence[_Launch], *, timeout_s: float) -> list[_Collected]:
-    """Run short commands in parallel, each in its own session, killed at the shared deadline."""
+def _run_collecting(launches: Sequence[_Launch], *, timeout_s: float,
+                    caught: _Caught | None = None) -> list[_Collected]:
+    """Run short commands in parallel, each in its own session, killed at the shared deadline, or
+    stopped (SIGTERM, SIGKILL after a short grace or at a second signal) when ``caught`` sees a signal:
+    then ``_Interrupted`` is raised."""
     procs: list[tuple[_Launch, subprocess.Popen[bytes], list[tuple[str | None, str]],
                       list[threading.Thread]]] = []
     try:
@@ -354,9 +386,14 @@ def _run_collecting(launches: Sequence[_Launch], *, timeout_s: float) -> list[_C
             threads = [_reader(stream, launch, sink) for stream in (proc.stdout, proc.stderr)]
             procs.append((launch, proc, lines, threads))
         deadline = time.monotonic() + timeout_s
-        for _, proc, _, _ in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        while time.monotonic() < deadline and any(proc.poll() is None for _, proc, _, _ in procs):
+            if caught is not None and caught.signal is not None:
+                _stop_collecting([proc for _, proc, _, _ in procs], caught)
+                raise _Interrupted(caught.signal)
+            if caught is not None:
+                caught.event.wait(_POLL_S)
+            else:
+                time.sleep(_POLL_S)
     finally:
         results = []
         for launch, proc, lines, threads in procs:
@@ -370,19 +407,72 @@ def _run_collecting(launches: Sequence[_Launch], *, timeout_s: float) -> list[_C
     return results
 
 
+def _stop_collecting(procs: Sequence[subprocess.Popen[bytes]], caught: _Caught) -> None:
+    """Pre-flight stopped by a signal: SIGTERM its commands' groups, SIGKILL what is left after
+    :data:`_PREFLIGHT_STOP_GRACE_S` or as soon as a second signal comes."""
+    for proc in procs:
+        if proc.poll() is None:
+            _kill_group(proc, signal.SIGTERM)
+    deadline = time.monotonic() + _PREFLIGHT_STOP_GRACE_S
+    while (time.monotonic() < deadline and caught.again is None
+           and any(proc.poll() is None for proc in procs)):
+        caught.pause(_POLL_S)
+    for proc in procs:
+        if proc.poll() is None:
+            _kill_group(proc, signal.SIGKILL)
+
+
+class _Interrupted(Exception):
+    """A stop signal arrived during pre-flight (its commands are stopped already)."""
+
+    def __init__(self, sig: signal.Signals) -> None:
+        super().__init__(sig.name)
+        self.signal = sig
+
+
+def _say(log: TextIO, message: str) -> None:
+    """Print one ``zerospeed:`` line to the log; never raise: with our stderr a closed pipe
+    (``zerospeed ... 2>&1 | head``) the job must still be stopped after the message is lost."""
+    with contextlib.suppress(OSError, ValueError):
+        print(f"zerospeed: {message}", file=log, flush=True)
+
+
 # ---------------------------------------------------------------------------------------------------
 # processes and their output
 
 
 def _popen(launch: _Launch, *, stdin: int) -> subprocess.Popen[bytes]:
+    """Start ``launch`` in its own session (Ctrl-C on the terminal reaches only us; we signal its
+    group), set to get SIGTERM when this process dies, even by SIGKILL: the agents do not all see
+    our death otherwise (pdsh does not pass stdin on, so ``--watch_stdin`` never sees EOF; mpirun's and
+    srun's agents do not watch stdin), while pdsh/ssh/mpirun/srun stop their children on SIGTERM.
+
+    Every process is started from the thread that called :func:`run_job` (the kernel sends the
+    signal when the *thread* that forked the child ends)."""
     env = dict(os.environ)
     env.update(launch.env)
     try:
         return subprocess.Popen(list(launch.argv), stdin=stdin, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, env=env, start_new_session=True)
+                                stderr=subprocess.PIPE, env=env, start_new_session=True,
+                                preexec_fn=_die_with_parent(os.getpid()))
     except OSError as exc:
         raise LauncherError(f"cannot start {launch.argv[0]!r} for host(s) {', '.join(launch.hosts)}: "
                             f"{exc.strerror}; is it installed and on PATH?") from None
+
+
+def _die_with_parent(parent: int) -> Callable[[], None] | None:
+    """The child's pre-exec hook: PR_SET_PDEATHSIG=SIGTERM, and exit at once when ``parent`` already
+    died before the setting took (the child was then re-parented and would get no signal)."""
+    prctl = _PRCTL
+    if prctl is None:
+        return None
+
+    def hook() -> None:
+        prctl(_PR_SET_PDEATHSIG, _SIGTERM)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return hook
 
 
 def _attribute(line: str, launch: _Launch) -> tuple[str | None, str]:
@@ -419,8 +509,9 @@ def _reader(stream: IO[bytes] | None, launch: _Launch,
 
 def _kill_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
     """Signal the child's whole process group (it leads its own session)."""
-    # Also after the leader ended: its group's other members (pdsh's ssh children) are stragglers;
-    # a group id is not handed out again while any member lives.
+    # Also after the leader ended: children it left in its group are stragglers; a group id is not
+    # handed out again while any member lives. (pdsh's ssh children are NOT in the group: ssh calls
+    # setsid(). pdsh stops them itself on SIGTERM; the stop commands stop the agents by PID.)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
 
@@ -486,16 +577,26 @@ class _Running:
 
 
 class _Caught:
-    """The first SIGINT/SIGTERM received while the job runs."""
+    """The first SIGINT/SIGTERM/SIGHUP received while the job runs; ``again`` once a second one came
+    (the user insists: stopping skips its grace and kills at once)."""
 
     def __init__(self) -> None:
         self.signal: signal.Signals | None = None
+        self.again: signal.Signals | None = None
         self.event = threading.Event()
 
     def handler(self, signum: int, frame: FrameType | None) -> None:
         if self.signal is None:
             self.signal = signal.Signals(signum)
+        elif self.again is None:
+            self.again = signal.Signals(signum)
         self.event.set()
+
+    def pause(self, seconds: float) -> None:
+        """Sleep up to ``seconds`` while stopping; wake at once when a second signal comes."""
+        self.event.clear()
+        if self.again is None:
+            self.event.wait(seconds)
 
 
 @contextlib.contextmanager
@@ -504,7 +605,7 @@ def _signals_caught() -> Iterator[_Caught]:
     if threading.current_thread() is not threading.main_thread():
         yield caught
         return
-    previous = {sig: signal.signal(sig, caught.handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, caught.handler) for sig in _STOP_SIGNALS}
     try:
         yield caught
     finally:
@@ -540,9 +641,11 @@ class _Job:
         self.by_host: dict[str, _Launch] = {}
         # Elastic: when the first agent exited 0 (its round's workers all succeeded: the job is done).
         self.completed_at: float | None = None
+        # The signals seen (set by run): a second one makes stop_everything kill at once.
+        self.caught = _Caught()
 
     def say(self, message: str) -> None:
-        print(f"zerospeed: {message}", file=self.log, flush=True)
+        _say(self.log, message)
 
     def start(self, launch: _Launch) -> _Running:
         proc = _popen(launch, stdin=subprocess.PIPE)
@@ -553,6 +656,7 @@ class _Job:
         return running
 
     def run(self, launches: Sequence[_Launch], caught: _Caught) -> int:
+        self.caught = caught
         try:
             for launch in launches:
                 if len(launch.hosts) == 1:
@@ -607,7 +711,11 @@ class _Job:
             # An agent that re-joined just as the job finished finds the rendezvous closed: not a failure.
             self.say(f"host {', '.join(hosts)} ended ({_describe(code)}) after the job completed; ignored")
             return None
-        if self.spec.elastic is not None and len(hosts) == 1 and self._host_lost(hosts[0], code):
+        # A re-joined host's new agent that exits with an ordinary error is lost again, not a failure
+        # of the job (a stale agent from a healed partition can make it exit 2): probed again later;
+        # _rejoin leaves the host out after max_restarts re-joins.
+        if (self.spec.elastic is not None and len(hosts) == 1
+                and (self.rejoins[hosts[0]] > 0 or self._host_lost(hosts[0], code))):
             return self._lose(hosts[0], code)
         return self._fail(hosts, code)
 
@@ -647,6 +755,11 @@ class _Job:
 
     def _lose(self, host: str, code: int) -> int | None:
         assert self.spec.elastic is not None
+        if self.spec.hosts and host == self.spec.hosts[0]:
+            # Its agent hosts the c10d rendezvous store: nobody can re-join without it.
+            self.say(f"host {host} lost ({_describe(code)}): it keeps the elastic rendezvous "
+                     f"({self.spec.master_addr}:{self.spec.master_port}); the job cannot go on without it")
+            return self._fail((host,), code)
         remaining = {h for r in self.running for h in r.launch.hosts}
         when = time.strftime("%H:%M:%S")
         if len(remaining) < self.spec.elastic.min_nodes:
@@ -733,27 +846,31 @@ class _Job:
             if running.proc.stdin is not None:
                 with contextlib.suppress(OSError):
                     running.proc.stdin.close()
-        stoppers: list[subprocess.Popen[bytes]] = []
+        # (process, its launch) together: a stop command that cannot start must not shift the hosts
+        # named for the others.
+        stoppers: list[tuple[subprocess.Popen[bytes], _Launch]] = []
         for launch in self.stop_commands:
             try:
                 proc = _popen(launch, stdin=subprocess.DEVNULL)
             except LauncherError as exc:
                 self.say(str(exc))
                 continue
-            stoppers.append(proc)
+            stoppers.append((proc, launch))
         for running in self.running:
             _kill_group(running.proc, signal.SIGTERM)
         deadline = time.monotonic() + self.stop_grace_s
+        while (time.monotonic() < deadline and self.caught.again is None
+               and any(running.proc.poll() is None for running in self.running)):
+            self.caught.pause(_POLL_S)
+        if self.caught.again is not None:
+            self.say(f"stopped again by {self.caught.again.name}; killing this job's processes now")
         for running in self.running:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                running.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        for running in self.running:
-            if running.proc.poll() is None:
+            if running.proc.poll() is None and self.caught.again is None:
                 self.say(f"{' '.join(running.launch.argv[:1])} for {', '.join(running.launch.hosts)} "
                          f"did not stop within {self.stop_grace_s:g} s; killing it")
             _kill_group(running.proc, signal.SIGKILL)
         stop_deadline = time.monotonic() + _STOP_COMMAND_TIMEOUT_S
-        for proc, launch in zip(stoppers, self.stop_commands):
+        for proc, launch in stoppers:
             try:
                 stdout, stderr = proc.communicate(timeout=max(0.1, stop_deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
