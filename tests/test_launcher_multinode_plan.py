@@ -245,6 +245,31 @@ def test_no_ssh_hosts_agree_on_the_job_id(job: tuple[str, str]) -> None:
     assert stable_job_id(_plan(job, "--no_ssh", "--node_rank=0", "--master_port=29501")) not in ids
 
 
+def test_no_ssh_job_id_ignores_per_host_program_and_options(job: tuple[str, str], tmp_path: Path) -> None:
+    """The id is torch's rendezvous run id: hosts naming the script differently or passing per-host
+    arguments and agent options must still compute the same one (else they never meet: a silent hang)."""
+    hosts, script = job
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "train.py").touch()
+
+    def plan(*args: str) -> LaunchPlan:
+        return plan_from_args(["-H", hosts, "--no_ssh", *args], environ={}, default_hostfile=NO_DEFAULT)
+
+    base = stable_job_id(plan("--node_rank=0", script, "--output_dir=/a"))
+    assert stable_job_id(plan("--node_rank=1", str(tmp_path / "other" / "train.py"), "--output_dir=/b",
+                              "--lr=2")) == base
+    assert stable_job_id(plan("--node_rank=2", "--bind_cores_to_rank", "--enable_each_rank_log=/logs",
+                              "--save_pid", script)) == base
+    assert stable_job_id(plan("--node_rank=3", "--module", "pkg.train")) == base
+    # a different world or elastic range is a different job
+    assert stable_job_id(plan("--node_rank=0", "--num_nodes=2", script)) != base
+    assert stable_job_id(plan("--node_rank=0", "--num_gpus=1", script)) != base
+    assert stable_job_id(plan("--node_rank=0", "--elastic_training", "--master_addr=worker-1", "--min_elastic_nodes=1",
+                              "--max_elastic_nodes=4", script)) != stable_job_id(
+        plan("--node_rank=0", "--elastic_training", "--master_addr=worker-1", "--min_elastic_nodes=2",
+             "--max_elastic_nodes=4", script))
+
+
 def test_value_options_match_the_parser() -> None:
     """split_script must know every option that takes a value, or it would take the value for the script."""
     takes_value = {flag for action in build_launch_parser()._actions if action.nargs != 0
@@ -300,7 +325,7 @@ def test_launch_main_hands_a_multi_node_job_to_the_runner(job: tuple[str, str], 
     assert kwargs["no_ssh_check"] is False
     agents: tuple[RemoteLaunch, ...] = kwargs["launches"]
     assert [launch.hosts for launch in agents] == [(W1,), (W3,)]
-    assert agents[0].argv[-2:] == (W1, f"export NCCL_DEBUG=INFO; export PYTHONPATH={tmp_path}; export FROM_FILE=1; "
+    assert agents[0].argv[-2:] == (W1, f"export NCCL_DEBUG=INFO; export PYTHONPATH={tmp_path}; export FROM_FILE=\"1\"; "
                                        f"cd {tmp_path} && exec {sys.executable} -u -m zerospeed.launcher.node "
                                        f"--job={spec.encode()} --watch_stdin --node_rank=0")
     assert "-p" in agents[0].argv and [launch.hosts for launch in kwargs["stop"]] == [(W1,), (W3,)]

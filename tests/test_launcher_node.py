@@ -331,6 +331,34 @@ def test_preflight_answers_are_found_in_runner_output_and_programs_resolved(tmp_
     assert parse_answers(done.stdout)["localhost"]["program_exists"] is True
 
 
+def test_preflight_node_0_says_whether_master_addr_is_its_own_and_compare_names_the_fix() -> None:
+    """Rank 0's store runs on node 0: a --master_addr of another machine would leave every agent waiting."""
+    from zerospeed.launcher.preflight import is_local_address
+
+    assert is_local_address("127.0.0.1") and is_local_address("localhost")
+    assert not is_local_address("192.0.2.1")  # TEST-NET-1 (RFC 5737): no interface has it, bind fails
+    assert not is_local_address("no-such-host.invalid")
+    spec = JobSpec(job_id="m", world=(("h0", (0,)), ("h1", (0,))), master_addr="192.0.2.1", master_port=29500,
+                   program=Program(script=SCRIPT))
+    node0 = answer(spec, host="h0", cwd=str(REPO), node_rank=0)
+    assert node0["master_addr"] == "192.0.2.1" and node0["master_is_local"] is False
+    assert "master_is_local" not in answer(spec, host="h1", cwd=str(REPO), node_rank=1)
+    local = _answer(host="h0")
+    answers = {"h0": _answer(host="h0", master_addr="192.0.2.1", master_is_local=False), "h1": _answer(host="h1")}
+    assert compare(answers, local, hosts=["h0", "h1"]) == [
+        "host h0 runs rank 0's store but --master_addr 192.0.2.1 is not one of its addresses; pass "
+        "--master_addr h0 (or omit it)",
+    ]
+    answers["h0"] = _answer(host="h0", master_addr="127.0.0.1", master_is_local=True)
+    assert compare(answers, local, hosts=["h0", "h1"]) == []
+    # the CLI finds node 0 from --node_host too
+    done = subprocess.run([sys.executable, "-m", "zerospeed.launcher.preflight", f"--job={spec.encode()}",
+                           "--node_host=h0"], cwd=REPO, capture_output=True, text=True, timeout=30,
+                          env=dict(os.environ, PYTHONPATH=str(REPO / "src")))
+    assert done.returncode == 0, done.stderr
+    assert parse_answers(done.stdout)["h0"]["master_is_local"] is False
+
+
 def test_srun_node_rank_comes_from_the_node_name_before_the_allocation_index() -> None:
     spec = _job("slurm")
     assert node_rank_of(spec, environ={"SLURM_NODEID": "0", "SLURMD_NODENAME": "localhost"}) == 1
@@ -477,3 +505,108 @@ def test_save_pid_never_overwrites_or_removes_another_agents_file(tmp_path: Path
     assert log.getvalue() == (f"zerospeed: --save_pid: {tmp_path / '4242.deepspeed'} exists already (another agent "
                               f"sharing this /tmp, or a file left by an earlier launch); this agent's PID is "
                               f"{os.getpid()}\n")
+
+
+def _lone_agent(tmp_path: Path, name: str, node: int, *, watch_stdin: bool = False
+                ) -> tuple[subprocess.Popen[str], JobSpec, Path, Path]:
+    """One agent of a two-host fixed job whose other host never comes: it blocks in torch's static
+    rendezvous (node 0 in its TCPStore waiting for workers, node 1 retrying to connect)."""
+    spec = _job(name, slots=(0,))
+    tmp = tmp_path / name
+    tmp.mkdir()
+    err = tmp_path / f"{name}.err"
+    with open(err, "w") as fh:
+        proc = subprocess.Popen(
+            [sys.executable, "-u", "-m", "zerospeed.launcher.node", f"--job={spec.encode()}", f"--node_rank={node}",
+             *(["--watch_stdin"] if watch_stdin else [])],
+            cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO / "src"), TMPDIR=str(tmp)), stdout=fh, stderr=fh,
+            stdin=subprocess.PIPE if watch_stdin else subprocess.DEVNULL, text=True, start_new_session=True)
+    return proc, spec, tmp / f"zerospeed-job-{name}-{os.uname().nodename}-n{node}", err
+
+
+def test_a_stop_reaches_an_agent_blocked_in_the_rendezvous(tmp_path: Path) -> None:
+    """SIGINT, or --watch_stdin's EOF, ends an agent whose main thread is in torch's C++ rendezvous (it
+    used to wait out the 15 min rendezvous timeout, the master port bound): the watchdog exits for it."""
+    from zerospeed.launcher.node import _WATCHDOG_GRACE_S, _WATCHDOG_NO_WORKERS_S
+
+    started = [_lone_agent(tmp_path, "lone0", 0), _lone_agent(tmp_path, "lone1", 1, watch_stdin=True)]
+    try:
+        for proc, spec, folder, err in started:
+            waiting = (f"zerospeed: host {spec.hosts[0] if folder.name.endswith('n0') else spec.hosts[1]} "
+                       f"(node {0 if folder.name.endswith('n0') else 1}): waiting for 1 other host(s) at "
+                       f"127.0.0.1:{spec.master_port} (job {spec.job_id})")
+            deadline = time.monotonic() + RUN_TIMEOUT_S
+            while waiting not in err.read_text().splitlines():
+                assert proc.poll() is None and time.monotonic() < deadline, err.read_text()
+                time.sleep(0.05)
+            assert (folder / "agent.pid").read_text() == f"{proc.pid}\n"
+        time.sleep(1.0)  # well inside the rendezvous's C++ wait
+        stopped_at = time.monotonic()
+        started[0][0].send_signal(signal.SIGINT)
+        stdin = started[1][0].stdin
+        assert stdin is not None
+        stdin.close()  # the runner died: the agent sends itself SIGTERM
+        for (proc, _, folder, err), sig in zip(started, (signal.SIGINT, signal.SIGTERM)):
+            proc.wait(timeout=_WATCHDOG_GRACE_S + 15)
+            assert proc.returncode == 128 + sig, err.read_text()
+            assert (f"zerospeed: node agent still waiting in the rendezvous {_WATCHDOG_NO_WORKERS_S:g} s after "
+                    f"{sig.name}; exiting") in err.read_text().splitlines()
+            assert not folder.exists()
+        assert time.monotonic() - stopped_at < _WATCHDOG_GRACE_S + 5
+    finally:
+        for proc, *_ in started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def _fake_agent(tmp_path: Path, *, ignore_term: bool) -> subprocess.Popen[bytes]:
+    """A process whose command line names the node module, as a stale agent's does."""
+    ready = tmp_path / f"ready-{ignore_term}"
+    code = ("import pathlib, signal, sys, time\n"
+            f"signal.signal(signal.SIGTERM, {'signal.SIG_IGN' if ignore_term else 'lambda *a: sys.exit(143)'})\n"
+            f"pathlib.Path({str(ready)!r}).touch()\n"
+            "time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, "-m", "zerospeed.launcher.node", "--job=x"])
+    deadline = time.monotonic() + 30
+    while not ready.exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    return proc
+
+
+def test_a_newer_agent_replaces_a_stale_one_of_the_same_job_and_takes_recycled_pids(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Elastic, after a healed partition: the old agent of the same job and node rank still holds the
+    folder; the newer one stops it (SIGTERM, SIGKILL after the grace) and takes over. A PID that now
+    belongs to another program is a stale file: taken over silently, that process left alone."""
+    from zerospeed.launcher import node
+    from zerospeed.launcher.node import _job_folder
+
+    monkeypatch.setattr(node, "_WATCHDOG_GRACE_S", 1.0)
+    folder = tmp_path / "zerospeed-job-j-h-n0"
+    for ignore_term, code in ((False, 143), (True, -signal.SIGKILL)):
+        old = _fake_agent(tmp_path, ignore_term=ignore_term)
+        folder.mkdir()
+        (folder / "agent.pid").write_text(f"{old.pid}\n")
+        log = io.StringIO()
+        began = time.monotonic()
+        with _job_folder(str(folder), log):
+            assert old.poll() is not None or _gone(old.pid)
+            assert (folder / "agent.pid").read_text() == f"{os.getpid()}\n"
+        assert old.wait(5) == code
+        assert time.monotonic() - began < 5
+        assert log.getvalue() == (f"zerospeed: replacing the node agent of this job still running here (pid "
+                                  f"{old.pid}, {folder / 'agent.pid'}): stopping it\n")
+        assert not folder.exists()
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        folder.mkdir()
+        (folder / "agent.pid").write_text(f"{other.pid}\n")
+        log = io.StringIO()
+        with _job_folder(str(folder), log):
+            assert (folder / "agent.pid").read_text() == f"{os.getpid()}\n"
+        assert log.getvalue() == "" and other.poll() is None
+    finally:
+        other.kill()
+        other.wait()

@@ -41,7 +41,8 @@ import signal
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
 from typing import TextIO
 
@@ -66,6 +67,13 @@ AGENT_PID_FILE = "agent.pid"
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 # Seconds to wait, after the ranks ended, for the rest of their output.
 _OUTPUT_DRAIN_S = 5.0
+# After a stop signal: how long the agent's own stop path may take before the watchdog exits for it. With
+# ranks started, their grace and then some; before (nothing to stop), a moment for the Python handler.
+_WATCHDOG_GRACE_S = _SHUTDOWN_GRACE_S + 5.0
+_WATCHDOG_NO_WORKERS_S = 2.0
+# How a live process is recognised as a node agent: ``python -m zerospeed.launcher.node`` (every runner),
+# or ``zerospeed --no_ssh``, which runs the agent in-process.
+_AGENT_MODULE = b"zerospeed.launcher.node"
 _JOB_ID = re.compile(r"[A-Za-z0-9._-]+")
 
 
@@ -169,9 +177,20 @@ def main(argv: Sequence[str] | None = None, *, log: TextIO | None = None) -> int
         raise SignalException(f"node agent {os.getpid()} got {sigval.name}", sigval=sigval)
 
     previous = {sig: signal.signal(sig, stop) for sig in _STOP_SIGNALS}
+    saved: list[str] = []
+
+    def cleanup() -> None:  # the watchdog's, when the main thread never comes back from C++
+        if _agent_pid(job_dir) == os.getpid():
+            shutil.rmtree(job_dir, ignore_errors=True)
+        for path in saved:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+
     try:
-        with _job_folder(job_dir) as folder, _saved_pid(spec.save_pid or bool(args.save_pid),
-                                                        args.save_pid or os.getppid(), log):
+        with _StopWatchdog(job_dir, cleanup, log), _job_folder(job_dir, log) as folder, \
+                _saved_pid(spec.save_pid or bool(args.save_pid), args.save_pid or os.getppid(), log) as saved_path:
+            if saved_path is not None:
+                saved.append(saved_path)
             if args.watch_stdin:
                 threading.Thread(target=_watch_stdin, name="zerospeed-watch-stdin", daemon=True).start()
             return _run(spec, node_rank, host, folder, rdzv_conf, log)
@@ -214,6 +233,9 @@ def _run(spec: JobSpec, node_rank: int, host: str, job_dir: str, rdzv_conf: Mapp
         elastic=None if elastic is None else (elastic.min_nodes, elastic.max_nodes, elastic.max_restarts),
         rdzv_configs=rdzv_conf,
     )
+    if len(spec.world) > 1:
+        print(f"zerospeed: host {host} (node {node_rank}): waiting for {len(spec.world) - 1} other host(s) at "
+              f"{spec.master_addr}:{spec.master_port} (job {spec.job_id})", file=log, flush=True)
     try:
         with _patched_environ(worker_environ(spec, node_rank, os.environ, cuda_devices=_cuda_devices())):
             run_agent(config, entrypoint, args, agent_class=partial(NodeAgent, job_dir=job_dir))
@@ -258,17 +280,89 @@ def _make_log_dir(path: str) -> None:
         raise LauncherError(f"--enable_each_rank_log {path!r}: cannot create the folder ({exc.strerror})") from None
 
 
+class _StopWatchdog:
+    """Exits the agent when a stop signal did not end it in time.
+
+    Python runs signal handlers only when the main thread is back in the interpreter; torch's static
+    rendezvous blocks in C++ (node 0's ``TCPStore`` waiting for the other agents, the others retrying to
+    connect) for up to its 15 min timeout, so SIGINT/SIGTERM (and ``--watch_stdin``'s EOF, which sends
+    SIGTERM) would be ignored that long, the master port kept bound. ``signal.set_wakeup_fd`` makes the
+    C-level handler write the signal number to a pipe even then (for every signal that has a Python
+    handler: ours, or the ones torch's agent installs later, since the wakeup fd is independent of which
+    Python function handles the signal); a daemon thread reads it and, when the process is still here
+    :data:`_WATCHDOG_GRACE_S` after a stop signal (:data:`_WATCHDOG_NO_WORKERS_S` while no rank was
+    ever started: there is nothing to stop), says so, runs ``cleanup`` (the job folder) and
+    ``os._exit(128 + signal)``; ranks started meanwhile end through their worker guards, which watch
+    this agent. Armed only in the main thread (the only one that may set the wakeup fd); it restores
+    the previous wakeup fd at exit (``zerospeed --no_ssh`` runs the agent in-process)."""
+
+    def __init__(self, job_dir: str, cleanup: Callable[[], None], log: TextIO) -> None:
+        self._job_dir = job_dir
+        self._cleanup = cleanup
+        self._log = log
+        self._done = threading.Event()
+        self._previous_fd: int | None = None
+        self._write_fd = -1
+
+    def __enter__(self) -> _StopWatchdog:
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._write_fd, False)  # set_wakeup_fd requires it
+        self._previous_fd = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, args=(read_fd,), name="zerospeed-stop-watchdog", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        if self._previous_fd is not None:
+            signal.set_wakeup_fd(self._previous_fd)
+            os.close(self._write_fd)  # the reader sees EOF and ends
+
+    def _watch(self, read_fd: int) -> None:
+        with os.fdopen(read_fd, "rb", buffering=0) as pipe:
+            while not self._done.is_set():
+                data = pipe.read(64)
+                if not data:
+                    return
+                stops = [number for number in data if number in {int(sig) for sig in _STOP_SIGNALS}]
+                if stops:
+                    self._expire(signal.Signals(stops[0]))
+                    return
+
+    def _expire(self, sig: signal.Signals) -> None:
+        from zerospeed.launcher.agent import WORKERS_PID_FILE
+
+        started = os.path.exists(os.path.join(self._job_dir, WORKERS_PID_FILE))
+        wait_s = _WATCHDOG_GRACE_S if started else _WATCHDOG_NO_WORKERS_S
+        if self._done.wait(wait_s):
+            return  # the agent's own stop path finished
+        try:
+            print(f"zerospeed: node agent still waiting in the rendezvous {wait_s:g} s after {sig.name}; exiting",
+                  file=self._log, flush=True)
+        except (OSError, ValueError):
+            pass
+        self._cleanup()
+        os._exit(128 + int(sig))
+
+
 @contextlib.contextmanager
-def _job_folder(path: str) -> Iterator[str]:
-    """Create the job folder with ``agent.pid``; remove it at exit. A folder left by an agent that is
-    gone is taken over; one whose agent still runs is refused (two agents of one job on one host)."""
+def _job_folder(path: str, log: TextIO) -> Iterator[str]:
+    """Create the job folder with ``agent.pid``; remove it at exit.
+
+    A folder left by an agent that is gone is taken over, as is one whose PID now belongs to a process
+    that is no node agent (a recycled PID). One whose node agent still runs is the SAME job and node
+    rank (both are in the folder's name): an agent left behind a network partition, which the runner
+    (or the user) replaced only after losing it; this newer agent stops it (SIGTERM, SIGKILL after
+    :data:`_WATCHDOG_GRACE_S`) and takes over, else the old one would hold this host's ranks and port."""
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
         other = _agent_pid(path)
-        if other is not None and other != os.getpid() and _alive(other):
-            raise LauncherError(f"another node agent of this job already runs here (pid {other}, "
-                                f"{os.path.join(path, AGENT_PID_FILE)}); stop it with kill -TERM {other}") from None
+        if other is not None and other != os.getpid() and _alive(other) and _is_node_agent(other):
+            print(f"zerospeed: replacing the node agent of this job still running here (pid {other}, "
+                  f"{os.path.join(path, AGENT_PID_FILE)}): stopping it", file=log, flush=True)
+            _stop_agent(other, _WATCHDOG_GRACE_S)
         shutil.rmtree(path, ignore_errors=True)
         os.mkdir(path, 0o700)
     try:
@@ -287,6 +381,43 @@ def _agent_pid(path: str) -> int | None:
         return None
 
 
+def _is_node_agent(pid: int) -> bool:
+    """Whether ``pid`` runs a node agent, from ``/proc/<pid>/cmdline``; a process that cannot be read
+    (gone, or no ``/proc``) counts as one while it is alive (the safe side: it is stopped by PID)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            args = fh.read().split(b"\0")
+    except FileNotFoundError:
+        return _alive(pid)
+    except OSError:
+        return True
+    if _AGENT_MODULE in args or any(arg.endswith(b"zerospeed/launcher/node.py") for arg in args):
+        return True
+    return b"--no_ssh" in args and any(os.path.basename(arg) == b"zerospeed" for arg in args)
+
+
+def _stop_agent(pid: int, grace_s: float) -> None:
+    """SIGTERM ``pid`` (it stops its ranks), SIGKILL when still there after ``grace_s``."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while _alive(pid) and not _zombie(pid):
+        if time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            break
+        time.sleep(0.05)
+
+
+def _zombie(pid: int) -> bool:
+    """An exited process its parent has not reaped yet (it holds nothing any more)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -298,10 +429,11 @@ def _alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def _saved_pid(enabled: bool, owner: int, log: TextIO) -> Iterator[None]:
-    """DeepSpeed's ``--save_pid``: ``<tmp>/<owner>.deepspeed`` holds this agent's PID while it runs."""
+def _saved_pid(enabled: bool, owner: int, log: TextIO) -> Iterator[str | None]:
+    """DeepSpeed's ``--save_pid``: ``<tmp>/<owner>.deepspeed`` holds this agent's PID while it runs;
+    yields that path when this agent wrote it (else ``None``)."""
     if not enabled:
-        yield
+        yield None
         return
     path = os.path.join(tempfile.gettempdir(), f"{owner}.deepspeed")
     try:
@@ -311,13 +443,13 @@ def _saved_pid(enabled: bool, owner: int, log: TextIO) -> Iterator[None]:
         # that is gone: never overwrite or remove a file this agent did not write.
         print(f"zerospeed: --save_pid: {path} exists already (another agent sharing this /tmp, or a file "
               f"left by an earlier launch); this agent's PID is {os.getpid()}", file=log, flush=True)
-        yield
+        yield None
         return
     with os.fdopen(fd, "w") as fh:
         fh.write(f"{os.getpid()}")
     print(f"launcher pid: {os.getpid()}", file=log, flush=True)
     try:
-        yield
+        yield path
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.remove(path)

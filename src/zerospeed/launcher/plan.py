@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType
 from typing import TYPE_CHECKING
@@ -316,14 +316,16 @@ def job_spec(plan: LaunchPlan, *, job_id: str, master_port: int | None = None) -
 
 def stable_job_id(plan: LaunchPlan) -> str:
     """A job id every host of a ``--no_ssh`` job computes alike (each runs its own ``zerospeed``, so no
-    random id can be shared): 12 hex digits of a hash of the world, rendezvous, program and options.
-    Two such jobs differ in at least their rendezvous while both run."""
+    random id can be shared; it is also torch's rendezvous run id, so hosts with different ids never
+    meet): 12 hex digits of a hash of only what every host must agree on anyway, the world (hosts and
+    slots), the rendezvous address and port, and the elastic node range. The program, its arguments and
+    the agent options are left out: hosts may run ``./train.py`` or ``train.py``, or pass per-host
+    arguments (``--output_dir``), and must still meet. Two such jobs differ in at least their rendezvous
+    while both run."""
     facts = {
         "world": [[host, list(slots)] for host, slots in plan.resources.items()],
         "master": [plan.master_addr, plan.master_port],
-        "program": asdict(plan.program),
         "elastic": plan.elastic_nodes,
-        "options": asdict(plan.options),
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode("utf-8")).hexdigest()[:12]
 

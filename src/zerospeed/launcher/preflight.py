@@ -36,7 +36,8 @@ from zerospeed.launcher.errors import LauncherError
 from zerospeed.launcher.job import JobSpec, node_rank_of
 from zerospeed.launcher.plan import Program
 
-__all__ = ["CONNECT_TIMEOUT_S", "MARKER", "answer", "compare", "main", "parse_answers", "program_exists"]
+__all__ = ["CONNECT_TIMEOUT_S", "MARKER", "answer", "compare", "is_local_address", "main", "parse_answers",
+           "program_exists"]
 
 MARKER = "ZEROSPEED_PREFLIGHT"
 # Seconds a host may take to connect to the master port before it counts as unreachable from there.
@@ -89,12 +90,34 @@ def _master_reachable(addr: str, port: int, timeout: float) -> str | None:
         return exc.strerror or str(exc) or type(exc).__name__
 
 
+def is_local_address(addr: str) -> bool:
+    """Whether ``addr`` names this machine: a socket binds (port 0, nothing listens, no traffic) to one
+    of the addresses it resolves to. A name that does not resolve is not local."""
+    try:
+        infos = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return False
+    for family, _, _, _, sockaddr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.bind((sockaddr[0], 0, *sockaddr[2:]))
+        except OSError:
+            continue
+        return True
+    return False
+
+
 def answer(spec: JobSpec | None, *, host: str | None, cwd: str, check_master: bool = False,
-           job_error: str | None = None, connect_timeout: float = CONNECT_TIMEOUT_S) -> dict[str, Any]:
+           job_error: str | None = None, connect_timeout: float = CONNECT_TIMEOUT_S,
+           node_rank: int | None = None) -> dict[str, Any]:
     """This host's pre-flight facts: ``host`` (its name in the job), ``hostname``, ``python``
     (``major.minor.micro``), ``torch`` (``None`` when absent), ``zerospeed``, ``cwd``, ``program``
     and ``program_exists``, ``master`` (``addr:port`` when checked) with ``master_error`` (``None``:
-    reachable), and ``job_error`` when the job could not be read (a different zerospeed, most likely)."""
+    reachable), and ``job_error`` when the job could not be read (a different zerospeed, most likely).
+
+    Node 0 (``node_rank == 0``) also says whether ``master_addr`` is one of its own addresses
+    (``master_addr`` and ``master_is_local``): torch's agent on node 0 serves rank 0's store on
+    ``master_addr:master_port``, so an address of another machine leaves every agent waiting."""
     facts: dict[str, Any] = {
         "host": host,
         "hostname": socket.gethostname(),
@@ -107,6 +130,9 @@ def answer(spec: JobSpec | None, *, host: str | None, cwd: str, check_master: bo
     if spec is not None:
         facts["program"] = spec.program.script
         facts["program_exists"] = program_exists(spec.program, cwd)
+        if node_rank == 0:
+            facts["master_addr"] = spec.master_addr
+            facts["master_is_local"] = is_local_address(spec.master_addr)
         if check_master:
             facts["master"] = f"{spec.master_addr}:{spec.master_port}"
             facts["master_error"] = _master_reachable(spec.master_addr, spec.master_port, connect_timeout)
@@ -172,6 +198,9 @@ def compare(answers: Mapping[str, Mapping[str, Any] | None], local: Mapping[str,
             problems.append(f"host {host}: cannot connect to the master port {facts['master']} "
                             f"({facts['master_error']}); open that port between the hosts or pass "
                             "--master_addr/--master_port that every host reaches")
+        if facts.get("master_is_local") is False:
+            problems.append(f"host {host} runs rank 0's store but --master_addr {facts.get('master_addr')} is "
+                            f"not one of its addresses; pass --master_addr {host} (or omit it)")
     return problems
 
 
@@ -187,10 +216,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     spec: JobSpec | None = None
     host = args.node_host
+    node_rank: int | None = None
     job_error = None
     try:
         spec = JobSpec.decode(args.job)
-        host = spec.hosts[node_rank_of(spec, explicit=args.node_rank, host=args.node_host, environ=os.environ)]
+        node_rank = node_rank_of(spec, explicit=args.node_rank, host=args.node_host, environ=os.environ)
+        host = spec.hosts[node_rank]
     except LauncherError as exc:
         if spec is None:
             job_error = str(exc)
@@ -201,7 +232,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"zerospeed: error: cannot read the job ({job_error}) and no --node_host names this host",
               file=sys.stderr, flush=True)
         return 2
-    facts = answer(spec, host=host, cwd=os.getcwd(), check_master=args.check_master, job_error=job_error)
+    facts = answer(spec, host=host, cwd=os.getcwd(), check_master=args.check_master, job_error=job_error,
+                   node_rank=node_rank)
     print(f"{MARKER} {json.dumps(facts, sort_keys=True)}", flush=True)
     return 0
 
