@@ -67,6 +67,7 @@ from typing import IO, TYPE_CHECKING, Protocol, TextIO
 
 from zerospeed.launcher.errors import LauncherError
 from zerospeed.launcher.job import JobSpec
+from zerospeed.launcher.runners import signal_name
 
 if TYPE_CHECKING:
     from zerospeed.launcher.commands import RemoteLaunch
@@ -676,13 +677,7 @@ class _Job:
             failure = self._pdsh_failure()
             if failure is not None:
                 return failure
-            for running in list(self.running):
-                code = running.proc.poll()
-                if code is None:
-                    continue
-                self.running.remove(running)
-                for thread in running.threads:
-                    thread.join(timeout=_DRAIN_S)
+            for running, code in self._reap_ended():
                 result = self._ended(running, code)
                 if result is not None:
                     return result
@@ -797,20 +792,26 @@ class _Job:
             return 128 - code
         return code if code > 0 else 1
 
+    def _reap_ended(self) -> list[tuple[_Running, int]]:
+        """The launches that ended since the last look, with their exit codes, their output drained and
+        removed from :attr:`running`."""
+        ended: list[tuple[_Running, int]] = []
+        for running in list(self.running):
+            code = running.proc.poll()
+            if code is None:
+                continue
+            self.running.remove(running)
+            for thread in running.threads:
+                thread.join(timeout=_DRAIN_S)
+            ended.append((running, code))
+        return ended
+
     def _settle(self) -> list[tuple[tuple[str, ...], int]]:
         """Other launches (or pdsh hosts) that end non-zero within :data:`_SETTLE_S`."""
         ended: list[tuple[tuple[str, ...], int]] = []
         deadline = time.monotonic() + _SETTLE_S
         while True:
-            for running in list(self.running):
-                code = running.proc.poll()
-                if code is None:
-                    continue
-                self.running.remove(running)
-                for thread in running.threads:
-                    thread.join(timeout=_DRAIN_S)
-                if code != 0:
-                    ended.append((running.launch.hosts, code))
+            ended.extend((running.launch.hosts, code) for running, code in self._reap_ended() if code != 0)
             with contextlib.suppress(queue.Empty):
                 while True:
                     host, code = self.output.host_exits.get_nowait()
@@ -974,11 +975,7 @@ def _rank_in(line: str) -> int | None:
 
 def _describe(code: int) -> str:
     if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"its launch process was killed by {name}"
+        return f"its launch process was killed by {signal_name(-code)}"
     if code == _SSH_ERROR:
         return ("exit code 255 (ssh lost the host: it went down, its sshd or the agent was killed, or "
                 "the network failed)")

@@ -317,11 +317,15 @@ def _report_failure(failed: ChildFailedError, log: TextIO, host: str | None = No
     return code if code > 0 else 1
 
 
+def signal_name(signum: int) -> str:
+    """``SIGTERM`` for 15; ``signal 99`` for a number with no name (exit reports of both runners)."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
 def _describe_exit(code: int) -> str:
     if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"was killed by {name}"
+        return f"was killed by {signal_name(-code)}"
     return f"exited with code {code}"
