@@ -70,6 +70,8 @@ _OUTPUT_DRAIN_S = 5.0
 # After a stop signal: how long the agent's own stop path may take before the watchdog exits for it. With
 # ranks started, their grace and then some; before (nothing to stop), a moment for the Python handler.
 _WATCHDOG_GRACE_S = _SHUTDOWN_GRACE_S + 5.0
+# After SIGKILL of a stale agent: how long to wait for the kernel to end it.
+_KILLED_WAIT_S = 5.0
 _WATCHDOG_NO_WORKERS_S = 2.0
 # How a live process is recognised as a node agent: ``python -m zerospeed.launcher.node`` (every runner),
 # or ``zerospeed --no_ssh``, which runs the agent in-process.
@@ -401,10 +403,15 @@ def _stop_agent(pid: int, grace_s: float) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
+    killed = False
     while _alive(pid) and not _zombie(pid):
-        if time.monotonic() > deadline:
+        if not killed and time.monotonic() > deadline:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+            # SIGKILL is delivered asynchronously: wait (bounded) until the kernel has ended it, so its
+            # ports and files are free before this agent starts its ranks.
+            killed, deadline = True, time.monotonic() + _KILLED_WAIT_S
+        elif killed and time.monotonic() > deadline:
             break
         time.sleep(0.05)
 
