@@ -50,7 +50,15 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except BaseException:
+        # Reported as an uncaught exception would be (torch's excepthook prefixes "[rankN]:"), then exit 1
+        # without gloo's destructors: with a peer's all-reduce pending they abort the process (exit 134).
+        sys.excepthook(*sys.exc_info())
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # see gloo_allreduce.py: skip gloo's static destructors at exit
